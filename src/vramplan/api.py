@@ -1,0 +1,95 @@
+"""The Python API: ``estimate()`` for a named model or an ``nn.Module``.
+
+>>> import vramplan
+>>> est = vramplan.estimate("torchvision:resnet50", batch_size=32, optimizer="sgd")  # doctest: +SKIP
+>>> est.components["gradients"] == est.model.parameter_bytes                        # doctest: +SKIP
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramplan.estimate import Estimate, ModelInfo
+from vramplan.optimizers import MODELLED
+from vramplan.sources import BuiltModel, resolve
+from vramplan.sources.user_code import module_source
+from vramplan.summarize import summarize_trace
+from vramplan.trace.materialize import unique_parameters
+from vramplan.trace.policy import policy_for
+from vramplan.trace.step import trace_training
+from vramplan.workload import Recipe
+
+
+def model_info(built: BuiltModel) -> ModelInfo:
+    """Parameter counts of a built (meta or fake) model; tied weights counted once."""
+    params = unique_parameters(built.model)
+    buffers = {id(b): b for b in built.model.buffers()}.values()
+    return ModelInfo(
+        name=built.name,
+        architecture=built.architecture,
+        kind=built.kind,
+        parameters=sum(p.numel() for p in params),
+        trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
+    )
+
+
+def estimate_built(built: BuiltModel, recipe: Recipe, target: str = "cuda") -> Estimate:
+    """Trace a built model with a recipe and summarise the trace into an Estimate."""
+    policy = policy_for(target)
+    trace = trace_training(built, recipe, policy)
+    summary = summarize_trace(trace, trace.module_kinds)
+    notes = list(trace.notes)
+    if recipe.is_training and recipe.optimizer in MODELLED:
+        notes.append(f"optimizer {recipe.optimizer}: {MODELLED[recipe.optimizer]}")
+    return Estimate(
+        model=model_info(built),
+        recipe=recipe,
+        peak=summary.peak,
+        components=summary.components,
+        method="trace",
+        phase_peaks=summary.phase_peaks,
+        top_modules=summary.top_modules,
+        timeline=summary.timeline,
+        notes=tuple(notes),
+        details={"target": policy.name, "traced_events": trace.event_count},
+    )
+
+
+def estimate(
+    model: str | nn.Module,
+    *,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    input_shape: tuple[int, ...] | None = None,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    checkpointing: str = "none",
+    grad_accum: int = 1,
+    mode: str = "train",
+    target: str = "cuda",
+    example_batch: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+) -> Estimate:
+    """Estimate one training (or inference) step of ``model``.
+
+    ``model`` is a source name (``torchvision:resnet50``, ``hf:gpt2``, ``file.py:factory``)
+    or an ``nn.Module``; for a module, ``example_batch`` (tensors of any device, only their
+    shapes are used) and ``loss_fn(output, batch)`` describe the step. ``target="cpu"``
+    traces what the CPU does instead of emulating a CUDA GPU.
+    """
+    recipe = Recipe(
+        batch_size=batch_size, seq_len=seq_len, input_shape=input_shape, precision=precision,
+        optimizer=optimizer, checkpointing=checkpointing, grad_accum=grad_accum, mode=mode,
+    )
+    if isinstance(model, nn.Module):
+        built = module_source(model, recipe, type(model).__name__, example_batch, loss_fn)
+    else:
+        built = resolve(model, recipe)
+    return estimate_built(built, recipe, target)

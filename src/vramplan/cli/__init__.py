@@ -1,0 +1,70 @@
+"""The ``vramplan`` command. Thin: parse, call the API, render.
+
+Errors a user can cause print one line on stderr and exit with code 2::
+
+    $ vramplan estimate torchvision:nope
+    vramplan: error: unknown torchvision model 'nope'; did you mean ...
+"""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+try:  # typer >= 0.29 vendors click
+    from typer._click import exceptions as click_exceptions
+except ImportError:  # pragma: no cover - older typer uses click itself
+    from click import exceptions as click_exceptions
+
+from vramplan.errors import UserError
+
+app = typer.Typer(
+    name="vramplan",
+    help="Predict the GPU memory of a training or inference step before you launch it.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+
+@app.callback()
+def _root() -> None:
+    """Predict the GPU memory of a training or inference step before you launch it."""
+
+
+EXIT_USER_ERROR = 2
+EXIT_OOM = 3
+
+
+def _register_commands() -> None:
+    from vramplan.cli import estimate_cmd  # noqa: F401
+
+
+def fail(message: str) -> None:
+    """Print one error line and exit with code 2."""
+    print(f"vramplan: error: {message}", file=sys.stderr)
+    raise SystemExit(EXIT_USER_ERROR)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``vramplan`` script."""
+    _register_commands()
+    try:
+        result = app(args=argv, standalone_mode=False, prog_name="vramplan")
+    except UserError as exc:
+        fail(str(exc))
+    except click_exceptions.NoArgsIsHelpError:
+        return 0
+    except click_exceptions.UsageError as exc:
+        fail(exc.format_message().replace("\n", " "))
+    except click_exceptions.Abort:
+        fail("aborted")
+    except click_exceptions.Exit as exc:
+        return exc.exit_code
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""Command-line options shared by every command that estimates a step.
+
+>>> recipe_from_options(batch_size=8, seq_len=None, input_shape="3x32x32", precision="fp32",
+...     optimizer="sgd", checkpointing="none", grad_accum=1, mode="train").input_shape
+(3, 32, 32)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from vramplan.workload import Recipe, parse_shape
+
+Model = Annotated[str, typer.Argument(
+    help="torchvision:NAME, timm:NAME, hf:NAME (or hf:path/config.json), file.py:factory, "
+         "package.module:factory", show_default=False)]
+BatchSize = Annotated[int, typer.Option("--batch-size", "-b", help="Samples per step (per GPU).")]
+SeqLen = Annotated[int | None, typer.Option("--seq-len", "-s", help="Tokens per sample (text models).")]
+InputShape = Annotated[str | None, typer.Option(
+    "--input-shape", help="One sample's shape without the batch, e.g. 3x224x224 or 512.")]
+PrecisionOpt = Annotated[str, typer.Option(
+    "--precision", "-p", help="fp32 | fp16 | bf16 | amp-fp16 | amp-bf16 (amp: fp32 weights + autocast).")]
+OptimizerOpt = Annotated[str, typer.Option(
+    "--optimizer", "-o",
+    help="sgd | momentum | adam | adamw | adagrad | rmsprop | adafactor | lion | adam8bit | none.")]
+CheckpointingOpt = Annotated[str, typer.Option(
+    "--checkpointing", help="none | full (recompute every block's activations in backward).")]
+GradAccum = Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")]
+ModeOpt = Annotated[str, typer.Option("--mode", help="train | infer (no_grad, no optimizer).")]
+TargetOpt = Annotated[str, typer.Option(
+    "--target", help="cuda (emulate an NVIDIA GPU, default) | cpu (what the CPU itself does).")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print the vramplan.estimate/1 JSON object.")]
+UnitsOpt = Annotated[str, typer.Option("--units", help="binary (MiB/GiB) | decimal (MB/GB).")]
+
+
+def recipe_from_options(
+    *, batch_size: int, seq_len: int | None, input_shape: str | None, precision: str,
+    optimizer: str, checkpointing: str, grad_accum: int, mode: str,
+) -> Recipe:
+    """Validate the shared options into a Recipe (a UserError on any bad value)."""
+    return Recipe(
+        batch_size=batch_size, seq_len=seq_len,
+        input_shape=parse_shape(input_shape) if input_shape else None,
+        precision=precision, optimizer=optimizer, checkpointing=checkpointing,
+        grad_accum=grad_accum, mode=mode,
+    )

@@ -1,0 +1,118 @@
+"""Build the optimizer a recipe names; Lion and 8-bit Adam are modelled where missing.
+
+>>> opt = build_optimizer("momentum", [torch.nn.Parameter(torch.zeros(3))], {})
+>>> type(opt).__name__, opt.defaults["momentum"]
+('SGD', 0.9)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+# Hyper-parameters only change which temporaries a step makes, not the state it keeps;
+# these are the common training defaults (weight decay on, as most recipes use).
+_LR = 1e-3
+
+
+class Lion(torch.optim.Optimizer):
+    """Lion (Chen et al. 2023): one momentum buffer per parameter, updated in place."""
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float = 1e-4, betas=(0.9, 0.99),
+                 weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                exp_avg = state["exp_avg"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = exp_avg.mul(beta1).add_(p.grad, alpha=1 - beta1).sign_()
+                p.add_(update, alpha=-group["lr"])
+                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+        return None
+
+
+class Adam8bitModel(torch.optim.Optimizer):
+    """The memory layout of bitsandbytes' blockwise 8-bit Adam, without its kernels.
+
+    Parameters with at least 4096 elements keep two uint8 states plus one fp32 absmax per
+    256-element block for each; smaller ones keep two fp32 states, as bitsandbytes does.
+    """
+
+    block = 256
+    min_8bit_size = 4096
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float = _LR) -> None:
+        super().__init__(params, {"lr": lr})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    if p.numel() >= self.min_8bit_size:
+                        blocks = -(-p.numel() // self.block)
+                        state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
+                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+                    else:
+                        state["state1"] = torch.zeros_like(p, dtype=torch.float32)
+                        state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                p.add_(p.grad, alpha=-group["lr"])  # bitsandbytes updates in place, no temporaries
+        return None
+
+
+MODELLED = {"lion": "Lion (one momentum buffer, implemented here)",
+            "adam8bit": "8-bit Adam modelled on bitsandbytes' state layout (uint8 states, "
+                        "fp32 absmax per 256-element block), not bitsandbytes itself"}
+
+
+def build_optimizer(name: str, params: list[nn.Parameter], defaults: dict) -> torch.optim.Optimizer | None:
+    """The optimizer for ``name`` over ``params``; ``defaults`` carries device policy flags."""
+    params = [p for p in params if p.requires_grad]
+    if name == "none" or not params:
+        return None
+    foreach = {k: v for k, v in defaults.items() if k == "foreach"}
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=_LR, **foreach)
+    if name == "momentum":
+        return torch.optim.SGD(params, lr=_LR, momentum=0.9, **foreach)
+    if name == "adam":
+        return torch.optim.Adam(params, lr=_LR, **foreach)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=_LR, weight_decay=0.01, **foreach)
+    if name == "adagrad":
+        return torch.optim.Adagrad(params, lr=_LR, **foreach)
+    if name == "rmsprop":
+        return torch.optim.RMSprop(params, lr=_LR, **foreach)
+    if name == "adafactor":
+        return torch.optim.Adafactor(params, lr=_LR, **foreach)
+    if name == "lion":
+        return Lion(params)
+    if name == "adam8bit":
+        return Adam8bitModel(params)
+    raise ValueError(f"unknown optimizer {name}")
+
+
+def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[torch.Tensor]:
+    """Every tensor the optimizer keeps between steps."""
+    if optimizer is None:
+        return []
+    found = []
+    for state in optimizer.state.values():
+        found.extend(v for v in state.values() if isinstance(v, torch.Tensor))
+    return found

@@ -1,0 +1,1 @@
+"""Renderers of an Estimate: terminal, JSON (and HTML)."""

@@ -1,0 +1,84 @@
+"""The terminal view of an Estimate, drawn with rich.
+
+>>> render_estimate(est, "binary")   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from vramplan.estimate import COMPONENTS, Estimate
+from vramplan.units import Units, format_bytes, unit_name
+
+_LABELS = {
+    "parameters": "parameters", "buffers": "buffers", "gradients": "gradients",
+    "optimizer_state": "optimizer state", "activations": "activations (saved for backward)",
+    "temporaries": "temporaries / workspace", "inputs": "input batch", "workspace": "workspace",
+}
+
+
+def _share(part: int, whole: int) -> str:
+    return f"{100 * part / whole:5.1f}%" if whole else "  -  "
+
+
+def _recipe_line(est: Estimate) -> str:
+    r = est.recipe
+    parts = [f"batch {r.batch_size}"]
+    if r.seq_len:
+        parts.append(f"seq {r.seq_len}")
+    if r.input_shape:
+        parts.append("input " + "x".join(map(str, r.input_shape)))
+    parts += [r.precision, f"optimizer {r.optimizer}", f"checkpointing {r.checkpointing}", r.mode]
+    if r.grad_accum > 1:
+        parts.append(f"grad-accum {r.grad_accum}")
+    return ", ".join(parts)
+
+
+def render_estimate(est: Estimate, units: Units = "binary", console: Console | None = None) -> None:
+    """Print the peak, its breakdown, the five-part summary and the top modules."""
+    console = console or Console()
+    fmt = lambda n: format_bytes(n, units)  # noqa: E731
+    peak = est.peak
+    console.print(f"[bold]{est.model.name}[/bold] ({est.model.architecture}, "
+                  f"{est.model.parameters:,} parameters) — {_recipe_line(est)}")
+    console.print(f"Peak allocated: [bold]{fmt(peak.allocated_bytes)}[/bold] "
+                  f"({peak.allocated_bytes:,} bytes) in {peak.phase}, iteration {peak.iteration}")
+    if peak.reserved_bytes is not None:
+        console.print(f"Peak reserved (caching allocator): {fmt(peak.reserved_bytes)}")
+    if peak.device_total_bytes is not None:
+        console.print(f"Device total (what nvidia-smi shows): {fmt(peak.device_total_bytes)}")
+
+    table = Table(title="Breakdown at the peak", title_justify="left")
+    table.add_column("component")
+    table.add_column("bytes", justify="right")
+    table.add_column("size", justify="right")
+    table.add_column("share", justify="right")
+    for name in COMPONENTS:
+        value = est.components.get(name, 0)
+        table.add_row(_LABELS[name], f"{value:,}", fmt(value), _share(value, peak.allocated_bytes))
+    console.print(table)
+
+    summary = est.summary
+    console.print("Five-part summary: " + ", ".join(
+        f"{_LABELS.get(k, k).split(' (')[0]} {fmt(v)}" for k, v in summary.items()))
+    if est.phase_peaks:
+        console.print("Peak by phase: " + ", ".join(
+            f"{phase} {fmt(v)}" for phase, v in est.phase_peaks.items()))
+    if est.top_modules:
+        modules = Table(title="Top modules by activation bytes at the peak", title_justify="left")
+        modules.add_column("module")
+        modules.add_column("type")
+        modules.add_column("activations", justify="right")
+        for usage in est.top_modules:
+            modules.add_row(usage.name, usage.kind, fmt(usage.activation_bytes))
+        console.print(modules)
+    if est.verdict is not None:
+        v = est.verdict
+        colour = {"fits": "green", "tight": "yellow", "oom": "red"}[v.status]
+        spare = f"{fmt(v.spare_bytes)} to spare" if v.spare_bytes >= 0 else f"{fmt(-v.spare_bytes)} missing"
+        console.print(f"Verdict on {v.gpu} ({fmt(v.capacity_bytes)}, headroom {v.headroom:.0%}): "
+                      f"[bold {colour}]{v.status.upper()}[/bold {colour}] — {spare}")
+    for note in est.notes:
+        console.print(f"[dim]note: {note}[/dim]")
+    console.print(f"[dim]Sizes in {unit_name(units)}.[/dim]")

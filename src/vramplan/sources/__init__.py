@@ -1,0 +1,42 @@
+"""Turn a model name or path into a ``BuiltModel`` without allocating real memory.
+
+>>> resolve("torchvision:resnet50", Recipe(batch_size=8)).kind   # doctest: +SKIP
+'image'
+"""
+
+from __future__ import annotations
+
+from vramplan.errors import UserError
+from vramplan.sources.base import BuiltModel
+from vramplan.workload import Recipe
+
+PREFIXES = ("torchvision", "timm", "hf")
+
+
+def resolve(spec: str, recipe: Recipe) -> BuiltModel:
+    """``torchvision:NAME``, ``timm:NAME``, ``hf:NAME`` (or ``hf:path/config.json``),
+    ``path/to/file.py:factory`` or ``package.module:factory``."""
+    prefix, sep, rest = spec.partition(":")
+    if not sep or not rest:
+        raise UserError(
+            f"cannot read model {spec!r}: use torchvision:NAME, timm:NAME, hf:NAME, "
+            "path/to/file.py:factory or package.module:factory"
+        )
+    if prefix == "torchvision":
+        from vramplan.sources.vision import build_torchvision
+
+        return build_torchvision(rest, recipe)
+    if prefix == "timm":
+        from vramplan.sources.vision import build_timm
+
+        return build_timm(rest, recipe)
+    if prefix == "hf":
+        from vramplan.sources.hf import build_hf
+
+        return build_hf(rest, recipe)
+    from vramplan.sources.user_code import build_from_factory
+
+    return build_from_factory(spec, recipe)
+
+
+__all__ = ["BuiltModel", "resolve", "PREFIXES"]

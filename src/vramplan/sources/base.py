@@ -1,0 +1,77 @@
+"""What every model source returns: a model on the meta device and how to feed it.
+
+>>> built = resolve("torchvision:resnet18", Recipe(batch_size=2))   # doctest: +SKIP
+>>> built.kind, built.default_input_shape                          # doctest: +SKIP
+('image', (3, 224, 224))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+Batch = Any
+
+
+@dataclass
+class BuiltModel:
+    """A model built without memory, plus the functions that make and consume a batch.
+
+    ``make_batch(batch_size, float_dtype)`` runs under fake tensors; ``run(model, batch, training)``
+    returns the loss when training and the model output otherwise.
+    """
+
+    name: str
+    architecture: str
+    kind: str
+    model: nn.Module
+    make_batch: Callable[[int, torch.dtype], Batch]
+    run: Callable[[nn.Module, Batch, bool], Any]
+    default_input_shape: tuple[int, ...] = ()
+    enable_checkpointing: Callable[[nn.Module], None] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def classification_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of a classifier's logits (or the first tensor of its output)."""
+    logits = output
+    if isinstance(output, (tuple, list)):
+        logits = output[0]
+    elif isinstance(output, dict):
+        logits = next(iter(output.values()))
+    return nn.functional.cross_entropy(logits, labels)
+
+
+def infer_classes(model: nn.Module) -> int:
+    """Number of outputs of the model's last linear layer (its classes)."""
+    last = None
+    for module in model.modules():
+        if isinstance(module, nn.Linear):
+            last = module
+    return last.out_features if last is not None else 1000
+
+
+def image_classifier(
+    name: str, architecture: str, model: nn.Module, input_shape: tuple[int, ...]
+) -> BuiltModel:
+    """A ``BuiltModel`` for a model that maps ``(B, C, H, W)`` images to class logits."""
+    classes = infer_classes(model)
+
+    def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
+        images = torch.randn(batch_size, *input_shape, dtype=dtype)
+        labels = torch.randint(0, classes, (batch_size,))
+        return images, labels
+
+    def run(module: nn.Module, batch: Batch, training: bool) -> Any:
+        images, labels = batch
+        output = module(images)
+        return classification_loss(output, labels) if training else output
+
+    return BuiltModel(
+        name=name, architecture=architecture, kind="image", model=model,
+        make_batch=make_batch, run=run, default_input_shape=input_shape,
+    )

@@ -1,0 +1,46 @@
+"""Activation checkpointing on the repeated blocks of any model.
+
+The blocks are the children of the containers (``nn.Sequential``, ``nn.ModuleList``)
+whose members repeat one class: ResNet's bottlenecks, a transformer's layers::
+
+    >>> checkpoint_repeated_blocks(model)   # doctest: +SKIP
+    24
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch.utils.checkpoint
+from torch import nn
+
+
+def _repeated_block_containers(model: nn.Module) -> list[nn.Module]:
+    found = []
+    for module in model.modules():
+        if isinstance(module, (nn.Sequential, nn.ModuleList)) and len(module) >= 2:
+            kinds = {type(child) for child in module}
+            if len(kinds) == 1 and not isinstance(module[0], (nn.Sequential, nn.ModuleList)):
+                found.append(module)
+    return found
+
+
+def _checkpointed(forward):
+    @functools.wraps(forward)
+    def run(*args, **kwargs):
+        return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+    return run
+
+
+def checkpoint_repeated_blocks(model: nn.Module) -> int:
+    """Recompute every repeated block in backward; return how many blocks were wrapped.
+    Falls back to the model's direct children when nothing repeats."""
+    blocks = [child for container in _repeated_block_containers(model) for child in container]
+    nested = {id(m) for b in blocks for m in b.modules() if m is not b}
+    blocks = [b for b in blocks if id(b) not in nested]
+    if not blocks:
+        blocks = list(model.children())
+    for block in blocks:
+        block.forward = _checkpointed(block.forward)
+    return len(blocks)

@@ -1,0 +1,204 @@
+"""``hf:NAME``: Hugging Face transformers models from bundled configs or a local config.json.
+
+No weights and no network: the config is a bundled data file (or the user's own file),
+and the model is built on the meta device::
+
+    >>> built = build_hf("gpt2", Recipe(batch_size=2, seq_len=128))   # doctest: +SKIP
+    >>> built.kind
+    'causal-lm'
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramplan.errors import UserError
+from vramplan.sources.base import Batch, BuiltModel
+from vramplan.workload import Recipe
+
+DEFAULT_SEQ_LEN = 512
+DEFAULT_IMAGE_SIZE = 224
+# Models whose positions are learned embeddings cannot run past their table.
+_POSITION_KEYS = ("n_positions", "max_position_embeddings")
+_ABSOLUTE_POSITIONS = {"gpt2", "bert", "roberta", "vit", "gpt_neo", "opt", "distilbert"}
+_PREFIXES = ("meta-llama/", "openai-community/", "google-bert/", "mistralai/", "qwen/",
+             "google/", "facebookai/", "google-t5/", "tinyllama/")
+_ALIASES = {"llama-3-8b": "meta-llama-3-8b", "llama-3-70b": "meta-llama-3-70b",
+            "llama-2-7b-hf": "llama-2-7b", "mistral-7b": "mistral-7b-v0.1",
+            "tinyllama-1.1b-chat-v1.0": "tinyllama-1.1b", "qwen2.5-7b-instruct": "qwen2.5-7b"}
+
+
+def bundled_configs() -> list[str]:
+    """Names of the configs shipped with vramplan."""
+    folder = resources.files("vramplan") / "data" / "hf"
+    return sorted(p.name[: -len(".json")] for p in folder.iterdir() if p.name.endswith(".json"))
+
+
+def _canonical(name: str) -> str:
+    key = name.strip().lower()
+    for prefix in _PREFIXES:
+        if key.startswith(prefix):
+            key = key[len(prefix):]
+    return _ALIASES.get(key, key)
+
+
+def load_config_dict(name: str) -> tuple[str, dict[str, Any]]:
+    """The config for a bundled name or a path to a config.json (or its folder)."""
+    path = Path(name).expanduser()
+    if path.suffix == ".json" or path.is_dir() or "/" in name and path.exists():
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.is_file():
+            raise UserError(f"config file not found: {path}")
+        try:
+            config = json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise UserError(f"malformed config JSON in {path}: {exc}") from None
+        if not isinstance(config, dict):
+            raise UserError(f"malformed config JSON in {path}: expected an object")
+        return str(path), config
+    key = _canonical(name)
+    known = bundled_configs()
+    if key not in known:
+        close = difflib.get_close_matches(key, known, n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else f"; bundled: {', '.join(known)}"
+        raise UserError(f"unknown hf model {name!r}{hint} (or give a path to a config.json)")
+    text = (resources.files("vramplan") / "data" / "hf" / f"{key}.json").read_text()
+    return key, json.loads(text)
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError:
+        raise UserError("transformers is not installed: pip install 'vramplan[hf]'") from None
+    transformers.logging.set_verbosity_error()
+    return transformers
+
+
+def _make_config(transformers, name: str, data: dict[str, Any]):
+    model_type = data.get("model_type")
+    if not model_type:
+        raise UserError(f"config {name} has no model_type")
+    try:
+        config_class = transformers.CONFIG_MAPPING[model_type]
+    except KeyError:
+        raise UserError(
+            f"config {name}: model_type {model_type!r} is not in transformers "
+            f"{transformers.__version__} (custom code is not run: trust_remote_code stays off)"
+        ) from None
+    fields = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
+    try:
+        return config_class(**fields)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"config {name} is not a valid {model_type} config: {exc}") from None
+
+
+def _model_class(transformers, config, name: str):
+    architectures = getattr(config, "architectures", None) or []
+    for arch in architectures:
+        cls = getattr(transformers, arch, None)
+        if cls is not None:
+            return cls
+    for auto in ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
+                 "AutoModelForImageClassification"):
+        mapping = getattr(transformers, auto)._model_mapping
+        if type(config) in mapping:
+            return mapping[type(config)]
+    raise UserError(f"config {name}: no trainable head for architectures {architectures}")
+
+
+def _kind(model: nn.Module) -> str:
+    arch = type(model).__name__
+    if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
+        return "causal-lm"
+    if arch.endswith("ForConditionalGeneration") and getattr(model.config, "is_encoder_decoder", False):
+        return "seq2seq"
+    if arch.endswith("ForMaskedLM"):
+        return "masked-lm"
+    if arch.endswith("ForImageClassification"):
+        return "image-classification"
+    if arch.endswith("ForSequenceClassification"):
+        return "sequence-classification"
+    raise UserError(f"hf model architecture {arch} is not supported yet")
+
+
+def _max_positions(config) -> int | None:
+    for key in _POSITION_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value - (2 if config.model_type == "roberta" else 0)
+    return None
+
+
+def _seq_len(config, recipe: Recipe, label: str) -> int:
+    limit = _max_positions(config)
+    seq_len = recipe.seq_len
+    if seq_len is None and recipe.input_shape:
+        if len(recipe.input_shape) != 1:
+            raise UserError(f"text models take --seq-len (or --input-shape S), got {recipe.input_shape}")
+        seq_len = recipe.input_shape[0]
+    if seq_len is None:
+        seq_len = min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)
+    if limit is not None and config.model_type in _ABSOLUTE_POSITIONS and seq_len > limit:
+        raise UserError(f"{label} has {limit} learned positions; --seq-len {seq_len} is longer")
+    return seq_len
+
+
+def build_hf(name: str, recipe: Recipe) -> BuiltModel:
+    """A transformers model on the meta device with a batch that fits its head."""
+    transformers = _transformers()
+    label, data = load_config_dict(name)
+    config = _make_config(transformers, label, data)
+    model_class = _model_class(transformers, config, label)
+    try:
+        with torch.device("meta"):
+            model = model_class._from_config(config, attn_implementation="sdpa")
+    except (ValueError, TypeError, RuntimeError) as exc:
+        raise UserError(f"cannot build {model_class.__name__} from {label}: {exc}") from None
+    kind = _kind(model)
+    vocab = getattr(config, "vocab_size", None)
+    built_name = f"hf:{label}"
+
+    if kind == "image-classification":
+        size = getattr(config, "image_size", DEFAULT_IMAGE_SIZE)
+        shape = recipe.input_shape or (getattr(config, "num_channels", 3), size, size)
+        classes = config.num_labels
+
+        def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
+            return {"pixel_values": torch.randn(batch_size, *shape, dtype=dtype),
+                    "labels": torch.randint(0, classes, (batch_size,))}
+    else:
+        seq_len = _seq_len(config, recipe, built_name)
+        shape = (seq_len,)
+
+        def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
+            ids = torch.randint(0, vocab, (batch_size, seq_len))
+            batch = {"input_ids": ids}
+            if kind == "sequence-classification":
+                batch["labels"] = torch.randint(0, config.num_labels, (batch_size,))
+            else:
+                batch["labels"] = ids
+            return batch
+
+    def run(module: nn.Module, batch: Batch, training: bool):
+        if training:
+            return module(**batch).loss
+        inputs = {k: v for k, v in batch.items() if k != "labels" or kind == "seq2seq"}
+        return module(**inputs)
+
+    def enable_checkpointing(module: nn.Module) -> None:
+        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    return BuiltModel(
+        name=built_name, architecture=type(model).__name__, kind=kind, model=model,
+        make_batch=make_batch, run=run, default_input_shape=shape,
+        enable_checkpointing=enable_checkpointing if model.supports_gradient_checkpointing else None,
+    )

@@ -1,0 +1,93 @@
+"""The Trace: every storage a step allocated, when it was freed, and what it was.
+
+A trace is the value passed from the tracer to everything downstream (the summary,
+the allocator simulation, the report)::
+
+    >>> trace.allocations[0].nbytes        # doctest: +SKIP
+    37632
+    >>> trace.live_bytes_at(trace.peak_index())  # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class Allocation:
+    """One storage: its size, its category, and the event indices of its birth and death.
+
+    ``free_index`` is ``None`` when the storage outlives the trace (parameters, state).
+    """
+
+    id: int
+    nbytes: int
+    category: str
+    phase: str
+    iteration: int
+    module: str
+    op: str
+    alloc_index: int
+    free_index: int | None
+    stream: int = 0
+
+
+@dataclass(frozen=True)
+class PhaseMark:
+    """From event ``index`` on, the step is in ``phase`` of ``iteration``."""
+
+    index: int
+    phase: str
+    iteration: int
+
+
+@dataclass(frozen=True)
+class Event:
+    """One allocation (+) or free (-) in trace order."""
+
+    index: int
+    allocation: Allocation
+    is_alloc: bool
+
+    @property
+    def delta(self) -> int:
+        return self.allocation.nbytes if self.is_alloc else -self.allocation.nbytes
+
+
+@dataclass(frozen=True)
+class Trace:
+    """All allocations of a traced run, ordered by event index."""
+
+    allocations: tuple[Allocation, ...]
+    phases: tuple[PhaseMark, ...]
+    event_count: int
+    notes: tuple[str, ...] = ()
+    module_kinds: dict[str, str] = field(default_factory=dict)
+    op_counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    """How many times each ATen op ran, keyed by (phase, op name)."""
+
+    def events(self) -> Iterator[Event]:
+        """Allocations and frees interleaved in the order they happened."""
+        by_index: list[Event | None] = [None] * self.event_count
+        for alloc in self.allocations:
+            by_index[alloc.alloc_index] = Event(alloc.alloc_index, alloc, True)
+            if alloc.free_index is not None:
+                by_index[alloc.free_index] = Event(alloc.free_index, alloc, False)
+        return (e for e in by_index if e is not None)
+
+    def phase_at(self, index: int) -> PhaseMark:
+        """The phase mark in force at an event index."""
+        current = self.phases[0]
+        for mark in self.phases:
+            if mark.index > index:
+                break
+            current = mark
+        return current
+
+    def live_at(self, index: int) -> list[Allocation]:
+        """Allocations alive just after event ``index``."""
+        return [
+            a for a in self.allocations
+            if a.alloc_index <= index and (a.free_index is None or a.free_index > index)
+        ]

@@ -1,0 +1,44 @@
+"""Turn a meta-device model into fake CPU tensors, keeping tied weights tied.
+
+>>> with FakeTensorMode():                  # doctest: +SKIP
+...     materialize(model)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _fake_like(tensor: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
+
+
+def materialize(model: nn.Module) -> None:
+    """Replace every meta parameter and buffer with an uninitialised CPU tensor (fake when
+    a FakeTensorMode is active). A parameter shared by two modules stays one parameter."""
+    replaced: dict[int, torch.Tensor] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None:
+                continue
+            if id(param) not in replaced:
+                replaced[id(param)] = nn.Parameter(_fake_like(param), requires_grad=param.requires_grad)
+            module._parameters[name] = replaced[id(param)]
+        for name, buffer in list(module._buffers.items()):
+            if buffer is None:
+                continue
+            if id(buffer) not in replaced:
+                replaced[id(buffer)] = _fake_like(buffer)
+            module._buffers[name] = replaced[id(buffer)]
+
+
+def unique_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """Parameters of ``model`` without duplicates (tied weights counted once)."""
+    seen: set[int] = set()
+    unique = []
+    for param in model.parameters():
+        if id(param) not in seen:
+            seen.add(id(param))
+            unique.append(param)
+    return unique

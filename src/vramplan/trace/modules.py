@@ -1,0 +1,56 @@
+"""Which module is running: a stack kept by global forward hooks.
+
+>>> stack = ModuleStack()
+>>> stack.name_modules(model)         # doctest: +SKIP
+>>> with stack: model(x)              # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class ModuleStack:
+    """Tracks the innermost module in forward, by qualified name (``layer1.0.conv1``)."""
+
+    def __init__(self) -> None:
+        self.names: dict[int, str] = {}
+        self.kinds: dict[str, str] = {}
+        self._stack: list[str] = []
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+
+    def name_modules(self, model: nn.Module) -> None:
+        """Learn the qualified names of ``model``'s submodules."""
+        for name, module in model.named_modules():
+            self.names[id(module)] = name or "(model)"
+            self.kinds[name or "(model)"] = type(module).__name__
+
+    def innermost(self) -> str:
+        return self._stack[-1] if self._stack else ""
+
+    def _pre(self, module: nn.Module, args) -> None:
+        name = self.names.get(id(module))
+        if name is not None:
+            self._stack.append(name)
+
+    def _post(self, module: nn.Module, args, output) -> None:
+        name = self.names.get(id(module))
+        if name is not None and self._stack and self._stack[-1] == name:
+            self._stack.pop()
+
+    def reset(self) -> None:
+        self._stack.clear()
+
+    def __enter__(self) -> ModuleStack:
+        self._handles = [
+            nn.modules.module.register_module_forward_pre_hook(self._pre),
+            nn.modules.module.register_module_forward_hook(self._post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._stack.clear()

@@ -1,0 +1,140 @@
+"""Record every storage allocation and free of code running under fake tensors.
+
+``AllocationRecorder`` is a ``TorchDispatchMode``: it sees each ATen op's outputs, notes
+each storage it has not seen, and learns of frees through a weak-reference finalizer on
+the storage. Categories are settled afterwards (``categorize.py``)::
+
+    with FakeTensorMode() as fake, AllocationRecorder() as rec:
+        x = torch.randn(4, 4)
+    rec.records[0].nbytes  # 64
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from vramplan.trace.events import PhaseMark
+from vramplan.trace.modules import ModuleStack
+
+
+@dataclass
+class StorageRecord:
+    """A storage as it is being traced; frozen into an ``Allocation`` at the end."""
+
+    id: int
+    key: int
+    nbytes: int
+    phase: str
+    iteration: int
+    module: str
+    op: str
+    alloc_index: int
+    free_index: int | None = None
+    tags: set[str] = field(default_factory=set)
+
+
+def storage_key(tensor: torch.Tensor) -> int:
+    """Identity of a tensor's storage (shared by all its views)."""
+    return tensor.untyped_storage()._cdata
+
+
+class AllocationRecorder(TorchDispatchMode):
+    """Dispatch mode that logs storage births and deaths with phase and module."""
+
+    def __init__(self, modules: ModuleStack | None = None) -> None:
+        super().__init__()
+        self.records: list[StorageRecord] = []
+        self.live: dict[int, StorageRecord] = {}
+        self.phases: list[PhaseMark] = [PhaseMark(0, "setup", 0)]
+        self.event_count = 0
+        self.modules = modules or ModuleStack()
+        self._optimizer_depth = 0
+        self._closed = False
+        self.op_counts: dict[tuple[str, str], int] = {}
+
+    # -- phases -----------------------------------------------------------------------
+    def set_phase(self, phase: str, iteration: int) -> None:
+        """Mark that the step enters ``phase`` of ``iteration`` from the next event on."""
+        last = self.phases[-1]
+        if (last.phase, last.iteration) == (phase, iteration):
+            return
+        if last.index == self.event_count:
+            self.phases[-1] = PhaseMark(self.event_count, phase, iteration)
+        else:
+            self.phases.append(PhaseMark(self.event_count, phase, iteration))
+
+    def enter_optimizer(self) -> None:
+        self._optimizer_depth += 1
+
+    def leave_optimizer(self) -> None:
+        self._optimizer_depth = max(0, self._optimizer_depth - 1)
+
+    def current_phase(self) -> tuple[str, int]:
+        """Backward while the autograd engine runs, optimizer inside ``step()``, else the mark."""
+        mark = self.phases[-1]
+        if torch._C._current_graph_task_id() != -1:
+            return "backward", mark.iteration
+        if self._optimizer_depth:
+            return "optimizer", mark.iteration
+        return mark.phase, mark.iteration
+
+    # -- storages ---------------------------------------------------------------------
+    def track(self, tensor: torch.Tensor, op: str) -> StorageRecord | None:
+        """Register a tensor's storage if it is new; return its record."""
+        storage = tensor.untyped_storage()
+        key = storage._cdata
+        record = self.live.get(key)
+        if record is not None:
+            return record
+        nbytes = storage.nbytes()
+        phase, iteration = self.current_phase()
+        self._sync_phase_mark(phase, iteration)
+        record = StorageRecord(
+            id=len(self.records), key=key, nbytes=nbytes, phase=phase, iteration=iteration,
+            module=self.modules.innermost(), op=op, alloc_index=self.event_count,
+        )
+        self.event_count += 1
+        self.records.append(record)
+        self.live[key] = record
+        weakref.finalize(storage, self._on_free, record)
+        return record
+
+    def record_for(self, tensor: torch.Tensor) -> StorageRecord | None:
+        """The live record of a tensor's storage, if it was traced."""
+        return self.live.get(storage_key(tensor))
+
+    def _on_free(self, record: StorageRecord) -> None:
+        if self._closed:
+            return
+        if self.live.get(record.key) is record:
+            del self.live[record.key]
+        if record.free_index is None:
+            phase, iteration = self.current_phase()
+            self._sync_phase_mark(phase, iteration)
+            record.free_index = self.event_count
+            self.event_count += 1
+
+    def _sync_phase_mark(self, phase: str, iteration: int) -> None:
+        last = self.phases[-1]
+        if (last.phase, last.iteration) != (phase, iteration):
+            self.phases.append(PhaseMark(self.event_count, phase, iteration))
+
+    def close(self) -> None:
+        """Stop listening for frees: storages still alive stay alive in the trace."""
+        self._closed = True
+        self.live.clear()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+        phase_key = (self.current_phase()[0], name)
+        self.op_counts[phase_key] = self.op_counts.get(phase_key, 0) + 1
+        for item in tree_flatten(out)[0]:
+            if isinstance(item, torch.Tensor) and item.device.type != "meta":
+                self.track(item, name)
+        return out

@@ -1,0 +1,122 @@
+"""The recipe of a step: batch, shapes, precision, optimizer and the other knobs.
+
+A ``Recipe`` is validated on construction, so every later stage can trust it::
+
+    >>> Recipe(batch_size=8, precision="amp-bf16", optimizer="adamw").param_dtype_name
+    'float32'
+    >>> Recipe(batch_size=0)
+    Traceback (most recent call last):
+    vramplan.errors.UserError: batch size must be a positive integer, got 0
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
+
+from vramplan.errors import UserError
+
+PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16")
+OPTIMIZERS = (
+    "sgd", "momentum", "adam", "adamw", "adagrad", "rmsprop", "adafactor", "lion", "adam8bit", "none",
+)
+CHECKPOINTING = ("none", "full")
+MODES = ("train", "infer")
+
+Precision = Literal["fp32", "fp16", "bf16", "amp-fp16", "amp-bf16"]
+Mode = Literal["train", "infer"]
+
+
+def _choice(value: str, allowed: tuple[str, ...], what: str) -> str:
+    normalised = str(value).strip().lower()
+    if normalised not in allowed:
+        raise UserError(f"unknown {what} {value!r}; choose one of: {', '.join(allowed)}")
+    return normalised
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """Every knob of one training or inference step.
+
+    ``input_shape`` is the shape of one sample without the batch dimension
+    (``(3, 224, 224)`` for an image model, ``(512,)`` for token ids); ``None`` means
+    the model's own default, and ``seq_len`` sets the token count of text models.
+    """
+
+    batch_size: int = 1
+    seq_len: int | None = None
+    input_shape: tuple[int, ...] | None = None
+    precision: Precision = "fp32"
+    optimizer: str = "adamw"
+    checkpointing: str = "none"
+    grad_accum: int = 1
+    mode: Mode = "train"
+    extras: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size <= 0:
+            raise UserError(f"batch size must be a positive integer, got {self.batch_size}")
+        if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len <= 0):
+            raise UserError(f"sequence length must be a positive integer, got {self.seq_len}")
+        if self.input_shape is not None:
+            shape = tuple(self.input_shape)
+            if not shape or any(not isinstance(d, int) or d <= 0 for d in shape):
+                raise UserError(f"input shape must be positive integers, got {self.input_shape}")
+            object.__setattr__(self, "input_shape", shape)
+        if not isinstance(self.grad_accum, int) or self.grad_accum <= 0:
+            raise UserError(f"gradient accumulation must be a positive integer, got {self.grad_accum}")
+        object.__setattr__(self, "precision", _choice(self.precision, PRECISIONS, "precision"))
+        object.__setattr__(self, "optimizer", _choice(self.optimizer, OPTIMIZERS, "optimizer"))
+        object.__setattr__(
+            self, "checkpointing", _choice(self.checkpointing, CHECKPOINTING, "checkpointing")
+        )
+        object.__setattr__(self, "mode", _choice(self.mode, MODES, "mode"))
+        if self.mode == "infer":
+            object.__setattr__(self, "optimizer", "none")
+
+    @property
+    def is_training(self) -> bool:
+        return self.mode == "train"
+
+    @property
+    def uses_autocast(self) -> bool:
+        return self.precision.startswith("amp-")
+
+    @property
+    def param_dtype_name(self) -> str:
+        """The dtype parameters are stored in: fp32 unless pure fp16/bf16 training."""
+        return {"fp16": "float16", "bf16": "bfloat16"}.get(self.precision, "float32")
+
+    @property
+    def compute_dtype_name(self) -> str:
+        """The dtype matmuls run in."""
+        return {"fp16": "float16", "amp-fp16": "float16", "bf16": "bfloat16", "amp-bf16": "bfloat16"}.get(
+            self.precision, "float32"
+        )
+
+    def with_changes(self, **changes: Any) -> Recipe:
+        """A copy with some knobs changed (validated again)."""
+        return replace(self, **changes)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["input_shape"] = list(self.input_shape) if self.input_shape else None
+        if not data["extras"]:
+            data.pop("extras")
+        return data
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """Parse '3x224x224', '3,224,224' or '512' into a shape tuple.
+
+    >>> parse_shape("3x224x224")
+    (3, 224, 224)
+    """
+    parts = [p for p in str(text).replace(",", "x").replace("X", "x").split("x") if p.strip()]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        raise UserError(f"cannot read shape {text!r}: use sizes joined by x, such as 3x224x224") from None
+    if not shape or any(d <= 0 for d in shape):
+        raise UserError(f"cannot read shape {text!r}: every size must be a positive integer")
+    return shape
