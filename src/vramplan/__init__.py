@@ -7,9 +7,9 @@
 
 __version__ = "0.1.0"
 
-from vramplan.api import estimate  # noqa: E402
+from vramplan.api import estimate, estimate_step  # noqa: E402
 from vramplan.errors import UserError  # noqa: E402
 from vramplan.estimate import Estimate  # noqa: E402
 from vramplan.workload import Recipe  # noqa: E402
 
-__all__ = ["estimate", "Estimate", "Recipe", "UserError", "__version__"]
+__all__ = ["estimate", "estimate_step", "Estimate", "Recipe", "UserError", "__version__"]

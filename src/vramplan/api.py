@@ -14,14 +14,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramplan.errors import UserError
 from vramplan.estimate import Estimate, ModelInfo
 from vramplan.optimizers import MODELLED
 from vramplan.sources import BuiltModel, resolve
-from vramplan.sources.user_code import module_source
+from vramplan.sources.user_code import meta_copy, module_source
 from vramplan.summarize import summarize_trace
 from vramplan.trace.materialize import unique_parameters
 from vramplan.trace.policy import policy_for
-from vramplan.trace.step import trace_training
+from vramplan.trace.step import trace_step_function, trace_training
 from vramplan.workload import Recipe
 
 
@@ -44,12 +45,19 @@ def estimate_built(built: BuiltModel, recipe: Recipe, target: str = "cuda") -> E
     """Trace a built model with a recipe and summarise the trace into an Estimate."""
     policy = policy_for(target)
     trace = trace_training(built, recipe, policy)
-    summary = summarize_trace(trace, trace.module_kinds)
     notes = list(trace.notes)
     if recipe.is_training and recipe.optimizer in MODELLED:
         notes.append(f"optimizer {recipe.optimizer}: {MODELLED[recipe.optimizer]}")
+    return estimate_from_trace(trace, model_info(built), recipe, policy.name, notes)
+
+
+def estimate_from_trace(
+    trace, info: ModelInfo, recipe: Recipe, target: str, notes: list[str]
+) -> Estimate:
+    """Summarise a Trace into an Estimate."""
+    summary = summarize_trace(trace, trace.module_kinds)
     return Estimate(
-        model=model_info(built),
+        model=info,
         recipe=recipe,
         peak=summary.peak,
         components=summary.components,
@@ -58,7 +66,7 @@ def estimate_built(built: BuiltModel, recipe: Recipe, target: str = "cuda") -> E
         top_modules=summary.top_modules,
         timeline=summary.timeline,
         notes=tuple(notes),
-        details={"target": policy.name, "traced_events": trace.event_count},
+        details={"target": target, "traced_events": trace.event_count},
     )
 
 
@@ -93,3 +101,59 @@ def estimate(
     else:
         built = resolve(model, recipe)
     return estimate_built(built, recipe, target)
+
+
+def estimate_step(
+    step_fn: Callable[[nn.Module, Any, Any], Any],
+    model: nn.Module,
+    batch: Any,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
+    *,
+    iterations: int = 2,
+    target: str = "cuda",
+    name: str | None = None,
+) -> Estimate:
+    """Estimate the user's own training step: their loss, their loop, their optimizer.
+
+    ``step_fn(model, batch, optimizer)`` is called ``iterations`` times on fake copies:
+    ``model`` may hold real weights (only its structure is copied), ``batch`` holds tensors
+    whose shapes are used, and ``optimizer`` builds the optimizer from the parameters::
+
+        def step(model, batch, opt):
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward(); opt.step(); opt.zero_grad()
+
+        est = estimate_step(step, net, (images, labels), lambda p: torch.optim.AdamW(p))
+    """
+    if not isinstance(model, nn.Module):
+        raise UserError(f"estimate_step needs an nn.Module, got {type(model).__name__}")
+    if not isinstance(iterations, int) or iterations <= 0:
+        raise UserError(f"iterations must be a positive integer, got {iterations}")
+    label = name or f"{type(model).__name__} step"
+    meta_model = meta_copy(model)
+    batch_size = _leading_dim(batch)
+    recipe = Recipe(batch_size=batch_size, optimizer="none" if optimizer is None else "adamw")
+    recipe = recipe.with_changes(extras={"step_function": getattr(step_fn, "__name__", "step")})
+    policy = policy_for(target)
+    trace = trace_step_function(step_fn, meta_model, batch, optimizer, policy, recipe,
+                                iterations, label)
+    params = list({id(p): p for p in meta_model.parameters()}.values())
+    info = ModelInfo(
+        name=label, architecture=type(model).__name__, kind="custom",
+        parameters=sum(p.numel() for p in params),
+        trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in meta_model.buffers()),
+    )
+    return estimate_from_trace(trace, info, recipe, policy.name, list(trace.notes))
+
+
+def _leading_dim(batch: Any) -> int:
+    """The batch size: the first dimension of the batch's first tensor."""
+    from torch.utils._pytree import tree_flatten
+
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 1

@@ -195,7 +195,11 @@ def build_hf(name: str, recipe: Recipe) -> BuiltModel:
         return module(**inputs)
 
     def enable_checkpointing(module: nn.Module) -> None:
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        non_reentrant = {"use_reentrant": False}
+        if hasattr(module, "activation_checkpointing_enable"):  # transformers >= 5
+            module.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
+        else:
+            module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
 
     return BuiltModel(
         name=built_name, architecture=type(model).__name__, kind=kind, model=model,

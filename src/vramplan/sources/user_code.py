@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_map
 
 from vramplan.errors import UserError
 from vramplan.sources.base import Batch, BuiltModel, classification_loss
@@ -118,10 +117,9 @@ def module_source(
 
     def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
         if example_batch is not None:
-            return tree_map(
-                lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu")
-                if isinstance(t, torch.Tensor) else t, example_batch,
-            )
+            from vramplan.trace.step import fake_copy
+
+            return fake_copy(example_batch)
         if token_ids:
             return torch.randint(0, first.num_embeddings, (batch_size, *shape))
         if isinstance(first, (nn.LSTM, nn.GRU, nn.RNN)) and not batch_first:

@@ -10,19 +10,23 @@ the gradients of the second iteration coexist with it::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+import logging
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
-from torch.utils._pytree import tree_flatten
+from torch.utils._pytree import tree_flatten, tree_map
 
 from vramplan.optimizers import build_optimizer, optimizer_state_tensors
 from vramplan.sources.base import BuiltModel
+from vramplan.steps import ITERATIONS, MAX_MICRO_STEPS, run_steps
 from vramplan.trace.categorize import categorize
 from vramplan.trace.errors import explain_failure
 from vramplan.trace.events import Trace
@@ -32,11 +36,6 @@ from vramplan.trace.policy import DevicePolicy, entered
 from vramplan.trace.recorder import AllocationRecorder
 from vramplan.workload import Recipe
 
-ITERATIONS = 2
-# Micro-steps traced per iteration under gradient accumulation: from the second one on,
-# memory repeats (the gradients already exist), so tracing more changes nothing.
-TRACED_MICRO_STEPS = 2
-
 
 def _tag(recorder: AllocationRecorder, tensors, tag: str) -> None:
     for tensor in tensors:
@@ -44,36 +43,6 @@ def _tag(recorder: AllocationRecorder, tensors, tag: str) -> None:
             record = recorder.record_for(tensor)
             if record is not None:
                 record.tags.add(tag)
-
-
-@contextlib.contextmanager
-def _optimizer_phase_hooks(recorder: AllocationRecorder):
-    """Mark every ``optimizer.step()`` (the user's own too) as the optimizer phase."""
-    pre = register_optimizer_step_pre_hook(
-        lambda *a, **k: recorder.enter_optimizer()
-    )
-    post = register_optimizer_step_post_hook(
-        lambda *a, **k: recorder.leave_optimizer()
-    )
-    try:
-        yield
-    finally:
-        pre.remove()
-        post.remove()
-
-
-def _finish(recorder: AllocationRecorder, policy: DevicePolicy, notes: list[str],
-            modules: ModuleStack) -> Trace:
-    recorder.close()
-    allocations = categorize(recorder.records, recorder.phases, recorder.event_count)
-    if policy.step_scalars_on_host():
-        host = {r.id for r in recorder.records if "host" in r.tags}
-        allocations = tuple(a for a in allocations if a.id not in host)
-    return Trace(
-        allocations=allocations, phases=tuple(recorder.phases),
-        event_count=recorder.event_count, notes=tuple(notes), module_kinds=dict(modules.kinds),
-        op_counts=dict(recorder.op_counts),
-    )
 
 
 def _tag_optimizer_state(recorder: AllocationRecorder, optimizer) -> None:
@@ -85,9 +54,103 @@ def _tag_optimizer_state(recorder: AllocationRecorder, optimizer) -> None:
         record.tags.add("host" if tensor.dim() == 0 else "optimizer_state")
 
 
-def trace_training(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) -> Trace:
-    """Trace ``ITERATIONS`` steps of ``built`` with ``recipe`` under ``policy``."""
-    notes: list[str] = []
+@contextlib.contextmanager
+def _optimizer_phase_hooks(recorder: AllocationRecorder, optimizers: list) -> Iterator[None]:
+    """Mark every ``optimizer.step()`` (the user's own too) as the optimizer phase, and
+    tag the state each optimizer holds after its step."""
+
+    def before(*_args, **_kwargs) -> None:
+        recorder.enter_optimizer()
+
+    def after(optimizer, *_args, **_kwargs) -> None:
+        recorder.leave_optimizer()
+        if optimizer not in optimizers:
+            optimizers.append(optimizer)
+        _tag_optimizer_state(recorder, optimizer)
+
+    pre = register_optimizer_step_pre_hook(before)
+    post = register_optimizer_step_post_hook(after)
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()
+
+
+@dataclass
+class TracingSession:
+    """The live state of one traced run: the recorder, the module stack, the fake mode."""
+
+    recorder: AllocationRecorder
+    modules: ModuleStack
+    fake: FakeTensorMode
+    policy: DevicePolicy
+    notes: list[str] = field(default_factory=list)
+    optimizers: list = field(default_factory=list)
+
+    def prepare_model(self, model: nn.Module) -> list[nn.Parameter]:
+        """Materialise ``model`` as fake tensors, tag its parameters, buffers and gradients."""
+        materialize(model)
+        params = unique_parameters(model)
+        _tag(self.recorder, params, "parameters")
+        _tag(self.recorder, model.buffers(), "buffers")
+        for param in params:
+            if param.requires_grad:
+                param.register_post_accumulate_grad_hook(
+                    lambda p: _tag(self.recorder, [p.grad], "gradients")
+                )
+        return params
+
+    def tag_inputs(self, batch: Any) -> None:
+        _tag(self.recorder, tree_flatten(batch)[0], "inputs")
+
+    def finish(self) -> Trace:
+        """Freeze what was recorded into a Trace."""
+        recorder = self.recorder
+        recorder.close()
+        allocations = categorize(recorder.records, recorder.phases, recorder.event_count)
+        if self.policy.step_scalars_on_host():
+            host = {r.id for r in recorder.records if "host" in r.tags}
+            allocations = tuple(a for a in allocations if a.id not in host)
+        return Trace(
+            allocations=allocations, phases=tuple(recorder.phases),
+            event_count=recorder.event_count, notes=tuple(self.notes),
+            module_kinds=dict(self.modules.kinds), op_counts=dict(recorder.op_counts),
+        )
+
+
+@contextlib.contextmanager
+def _quiet_fake_tensor_logs() -> Iterator[None]:
+    """FakeTensorMode logs a traceback before re-raising a meta kernel's error; the user
+    gets our one-line explanation instead."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+@contextlib.contextmanager
+def tracing(model: nn.Module, policy: DevicePolicy, recipe: Recipe, name: str) -> Iterator[TracingSession]:
+    """Everything a traced run needs, entered in the right order; failures inside become
+    one-line ``UserError``s naming the op or the error."""
+    modules = ModuleStack()
+    modules.name_modules(model)
+    session = TracingSession(AllocationRecorder(modules), modules, FakeTensorMode(), policy)
+    try:
+        with _quiet_fake_tensor_logs(), session.fake, session.recorder, modules, _optimizer_phase_hooks(
+            session.recorder, session.optimizers
+        ), entered(policy.dispatch_modes(recipe)):
+            yield session
+    except Exception as exc:  # the user's model failed: say which op and what to do
+        raise explain_failure(exc, name) from None
+
+
+def prepare_model_for(built: BuiltModel, recipe: Recipe) -> list[str]:
+    """Apply the recipe to the meta model (dtype, checkpointing, train/eval); return notes."""
+    notes = []
     model = built.model
     param_dtype = getattr(torch, recipe.param_dtype_name)
     if param_dtype != torch.float32:
@@ -98,79 +161,71 @@ def trace_training(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) -> T
         else:
             built.enable_checkpointing(model)
     model.train(recipe.is_training)
-
-    modules = ModuleStack()
-    modules.name_modules(model)
-    recorder = AllocationRecorder(modules)
-    fake = FakeTensorMode()
-    micro_steps = min(recipe.grad_accum, TRACED_MICRO_STEPS)
-    if recipe.grad_accum > TRACED_MICRO_STEPS:
+    if recipe.grad_accum > MAX_MICRO_STEPS:
         notes.append(
-            f"gradient accumulation {recipe.grad_accum}: traced {TRACED_MICRO_STEPS} micro-steps "
+            f"gradient accumulation {recipe.grad_accum}: traced {MAX_MICRO_STEPS} micro-steps "
             "per iteration (memory repeats from the second on)"
         )
-    try:
-        with fake, recorder, modules, _optimizer_phase_hooks(recorder), entered(
-            policy.dispatch_modes(recipe)
-        ):
-            materialize(model)
-            params = unique_parameters(model)
-            _tag(recorder, params, "parameters")
-            _tag(recorder, model.buffers(), "buffers")
-            batch = built.make_batch(recipe.batch_size, param_dtype)
-            _tag(recorder, tree_flatten(batch)[0], "inputs")
-            optimizer = None
-            if recipe.is_training:
-                for param in params:
-                    if param.requires_grad:
-                        param.register_post_accumulate_grad_hook(
-                            lambda p: _tag(recorder, [p.grad], "gradients")
-                        )
-                optimizer = build_optimizer(recipe.optimizer, params, policy.optimizer_defaults())
-                _tag_optimizer_state(recorder, optimizer)
-            for iteration in range(1, ITERATIONS + 1):
-                if recipe.is_training:
-                    _train_iteration(built, model, batch, optimizer, recipe, policy, recorder,
-                                     iteration, micro_steps)
-                else:
-                    recorder.set_phase("forward", iteration)
-                    with torch.no_grad(), policy.autocast(recipe):
-                        output = built.run(model, batch, False)
-                    del output
-                modules.reset()
-    except Exception as exc:  # the user's model failed: say which op and what to do
-        raise explain_failure(exc, built.name) from None
-    return _finish(recorder, policy, notes + built.notes, modules)
+    return notes
 
 
-def _train_iteration(built, model, batch, optimizer, recipe, policy, recorder, iteration,
-                     micro_steps) -> None:
-    for _ in range(micro_steps):
-        recorder.set_phase("forward", iteration)
-        with policy.autocast(recipe):
-            loss = built.run(model, batch, True)
-        if recipe.grad_accum > 1:
-            loss = loss / recipe.grad_accum
-        recorder.set_phase("backward", iteration)
-        loss.backward()
-        del loss
-    recorder.set_phase("optimizer", iteration)
-    if optimizer is not None:
-        optimizer.step()
-        _tag_optimizer_state(recorder, optimizer)
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        model.zero_grad(set_to_none=True)
+def trace_training(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) -> Trace:
+    """Trace ``ITERATIONS`` steps of ``built`` with ``recipe`` under ``policy``."""
+    notes = prepare_model_for(built, recipe)
+    model = built.model
+    with tracing(model, policy, recipe, built.name) as session:
+        session.notes.extend(notes + built.notes)
+        params = session.prepare_model(model)
+        batch = built.make_batch(recipe.batch_size, getattr(torch, recipe.param_dtype_name))
+        session.tag_inputs(batch)
+        optimizer = None
+        if recipe.is_training:
+            optimizer = build_optimizer(recipe.optimizer, params, policy.optimizer_defaults())
+            _tag_optimizer_state(session.recorder, optimizer)  # Adagrad's state is eager
+        run_steps(
+            built, model, batch, optimizer, recipe,
+            autocast=lambda: policy.autocast(recipe),
+            mark_phase=lambda phase, iteration: (session.recorder.set_phase(phase, iteration),
+                                                 session.modules.reset()),
+        )
+    return session.finish()
+
+
+def fake_copy(batch: Any) -> Any:
+    """Fake tensors with the shapes, strides and dtypes of ``batch``'s tensors (any device)."""
+    return tree_map(
+        lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu")
+        if isinstance(t, torch.Tensor) else t,
+        batch,
+    )
 
 
 def trace_step_function(
-    step_fn: Callable[..., Any], args: tuple, policy: DevicePolicy, iterations: int = ITERATIONS,
-    model: torch.nn.Module | None = None,
+    step_fn: Callable[[nn.Module, Any, Any], Any],
+    model: nn.Module,
+    batch: Any,
+    make_optimizer: Callable[[list[nn.Parameter]], Any] | None,
+    policy: DevicePolicy,
+    recipe: Recipe,
+    iterations: int = ITERATIONS,
+    name: str = "step function",
 ) -> Trace:
-    """Trace the user's own step function, called ``iterations`` times with ``args``.
+    """Trace the user's own ``step_fn(model, batch, optimizer)``, called ``iterations`` times.
 
-    Arguments must already be fake tensors or modules materialised under ``fake_mode()``;
-    phases are found by themselves (backward while autograd runs, optimizer inside
-    ``step()``), gradients and optimizer state from the tensors the model and optimizers hold.
+    ``model`` must be on the meta device; phases are found by themselves (backward while
+    autograd runs, optimizer inside any ``optimizer.step()``), gradients from the
+    parameters' hooks and optimizer state from every optimizer that stepped.
     """
-    raise NotImplementedError
+    with tracing(model, policy, recipe, name) as session:
+        params = session.prepare_model(model)
+        fake_batch = fake_copy(batch)
+        session.tag_inputs(fake_batch)
+        optimizer = make_optimizer(params) if make_optimizer is not None else None
+        if optimizer is not None:
+            _tag_optimizer_state(session.recorder, optimizer)
+        for iteration in range(1, iterations + 1):
+            session.recorder.set_phase("forward", iteration)
+            session.modules.reset()
+            with policy.autocast(recipe):
+                step_fn(model, fake_batch, optimizer)
+    return session.finish()

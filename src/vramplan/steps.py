@@ -1,0 +1,68 @@
+"""The training (or inference) loop that both the tracer and real measurements run.
+
+One definition of "a step" keeps the trace and the measurement comparable::
+
+    run_steps(built, model, batch, optimizer, recipe, autocast=nullcontext,
+              mark_phase=lambda phase, iteration: None)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+
+from vramplan.sources.base import Batch, BuiltModel
+from vramplan.workload import Recipe
+
+ITERATIONS = 2
+# Micro-steps run per iteration under gradient accumulation: from the second one on,
+# memory repeats (the gradients already exist), so running more changes nothing.
+MAX_MICRO_STEPS = 2
+
+PhaseMarker = Callable[[str, int], None]
+
+
+def micro_steps(recipe: Recipe) -> int:
+    """How many forward/backward passes one iteration runs."""
+    return min(recipe.grad_accum, MAX_MICRO_STEPS)
+
+
+def run_steps(
+    built: BuiltModel,
+    model: torch.nn.Module,
+    batch: Batch,
+    optimizer: torch.optim.Optimizer | None,
+    recipe: Recipe,
+    *,
+    autocast: Callable[[], contextlib.AbstractContextManager],
+    mark_phase: PhaseMarker,
+    iterations: int = ITERATIONS,
+    after_optimizer: Callable[[], None] = lambda: None,
+) -> None:
+    """Run ``iterations`` steps: forward+loss, backward (per micro-step), optimizer step,
+    ``zero_grad(set_to_none=True)``; inference runs forward under ``no_grad`` only."""
+    for iteration in range(1, iterations + 1):
+        if not recipe.is_training:
+            mark_phase("forward", iteration)
+            with torch.no_grad(), autocast():
+                output = built.run(model, batch, False)
+            del output
+            continue
+        for _ in range(micro_steps(recipe)):
+            mark_phase("forward", iteration)
+            with autocast():
+                loss = built.run(model, batch, True)
+            if recipe.grad_accum > 1:
+                loss = loss / recipe.grad_accum
+            mark_phase("backward", iteration)
+            loss.backward()
+            del loss
+        mark_phase("optimizer", iteration)
+        if optimizer is not None:
+            optimizer.step()
+            after_optimizer()
+            optimizer.zero_grad(set_to_none=True)
+        else:
+            model.zero_grad(set_to_none=True)
