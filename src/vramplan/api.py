@@ -110,10 +110,15 @@ def estimate_step(
     optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     *,
     iterations: int = 2,
+    precision: str = "fp32",
     target: str = "cuda",
     name: str | None = None,
 ) -> Estimate:
     """Estimate the user's own training step: their loss, their loop, their optimizer.
+
+    The trace runs on CPU tensors, where a ``torch.autocast("cuda")`` inside ``step_fn``
+    does nothing: pass ``precision="amp-bf16"`` (or ``amp-fp16``) to run each call under
+    the target GPU's autocast instead.
 
     ``step_fn(model, batch, optimizer)`` is called ``iterations`` times on fake copies:
     ``model`` may hold real weights (only its structure is copied), ``batch`` holds tensors
@@ -133,8 +138,10 @@ def estimate_step(
     label = name or f"{type(model).__name__} step"
     meta_model = meta_copy(model)
     batch_size = _leading_dim(batch)
-    recipe = Recipe(batch_size=batch_size, optimizer="none" if optimizer is None else "adamw")
-    recipe = recipe.with_changes(extras={"step_function": getattr(step_fn, "__name__", "step")})
+    recipe = Recipe(batch_size=batch_size, precision=precision, optimizer="none", extras={
+        "step_function": getattr(step_fn, "__name__", "step"),
+        "optimizer": "user-defined" if optimizer is not None else "none",
+    })
     policy = policy_for(target)
     trace = trace_step_function(step_fn, meta_model, batch, optimizer, policy, recipe,
                                 iterations, label)
