@@ -127,3 +127,12 @@ def test_installed_script_reports_errors_without_traceback(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().startswith("vramplan: error: unknown torchvision model")
     assert "Traceback" not in result.stderr
+
+
+def test_models_lists_bundled_configs(capsys):
+    code, out, _ = run_cli(capsys, "models", "hf")
+    assert code == 0
+    listed = out.split()
+    assert "hf:gpt2" in listed and "hf:meta-llama-3-8b" in listed
+    code, _, err = run_cli(capsys, "models", "bogus")
+    assert code == 2 and "unknown source" in err

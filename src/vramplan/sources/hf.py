@@ -52,9 +52,9 @@ def _canonical(name: str) -> str:
 def load_config_dict(name: str) -> tuple[str, dict[str, Any]]:
     """The config for a bundled name or a path to a config.json (or its folder)."""
     path = Path(name).expanduser()
-    if path.suffix == ".json" or path.is_dir() or "/" in name and path.exists():
-        if path.is_dir():
-            path = path / "config.json"
+    if path.is_dir() and (path / "config.json").is_file():
+        path = path / "config.json"
+    if path.suffix == ".json" or path.is_file():
         if not path.is_file():
             raise UserError(f"config file not found: {path}")
         try:

@@ -20,7 +20,7 @@ from vramplan.workload import Recipe
 _DEFAULT_SIZES = {"inception_v3": 299}
 
 
-def _require(module: str, extra: str):
+def require_package(module: str, extra: str):
     try:
         return __import__(module)
     except ImportError:
@@ -64,7 +64,7 @@ def _segmentation(name: str, model: nn.Module, shape: tuple[int, ...], classes: 
 
 def build_torchvision(name: str, recipe: Recipe) -> BuiltModel:
     """A torchvision classification or segmentation model, no weights."""
-    torchvision = _require("torchvision", "vision")
+    torchvision = require_package("torchvision", "vision")
     classification = torchvision.models.list_models(module=torchvision.models)
     segmentation = torchvision.models.list_models(module=torchvision.models.segmentation)
     if name not in classification and name not in segmentation:
@@ -92,7 +92,7 @@ def build_torchvision(name: str, recipe: Recipe) -> BuiltModel:
 
 def build_timm(name: str, recipe: Recipe) -> BuiltModel:
     """A timm model, no weights (``pretrained=False``)."""
-    timm = _require("timm", "timm")
+    timm = require_package("timm", "timm")
     known = timm.list_models()
     if name not in known:
         raise _unknown("timm", name, known)
