@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramplan.device import DeviceOptions, apply_device
 from vramplan.errors import UserError
 from vramplan.estimate import Estimate, ModelInfo
+from vramplan.gpus import gpu_from_memory, lookup_gpu
 from vramplan.optimizers import MODELLED
 from vramplan.sources import BuiltModel, resolve
 from vramplan.sources.user_code import meta_copy, module_source
@@ -41,14 +43,32 @@ def model_info(built: BuiltModel) -> ModelInfo:
     )
 
 
-def estimate_built(built: BuiltModel, recipe: Recipe, target: str = "cuda") -> Estimate:
-    """Trace a built model with a recipe and summarise the trace into an Estimate."""
+def estimate_built(
+    built: BuiltModel, recipe: Recipe, target: str = "cuda", device: DeviceOptions | None = None
+) -> Estimate:
+    """Trace a built model with a recipe, summarise the trace into an Estimate and, for the
+    ``cuda`` target, replay it through the device model (allocator, runtime, verdict)."""
     policy = policy_for(target)
     trace = trace_training(built, recipe, policy)
     notes = list(trace.notes)
     if recipe.is_training and recipe.optimizer in MODELLED:
         notes.append(f"optimizer {recipe.optimizer}: {MODELLED[recipe.optimizer]}")
-    return estimate_from_trace(trace, model_info(built), recipe, policy.name, notes)
+    result = estimate_from_trace(trace, model_info(built), recipe, policy.name, notes)
+    if policy.name == "cuda":
+        result = apply_device(result, trace, device or DeviceOptions())
+    return result
+
+
+def device_options(
+    gpu: str | None = None, gpu_memory: str | None = None, headroom: float = 0.10,
+    alloc_conf: str | None = None, cudnn_benchmark: bool = False, data_parallel: int = 1,
+) -> DeviceOptions:
+    """Validated device options from names (``gpu="a100"`` or ``gpu_memory="24GiB"``)."""
+    if gpu and gpu_memory:
+        raise UserError("give either --gpu or --gpu-memory, not both")
+    card = lookup_gpu(gpu) if gpu else gpu_from_memory(gpu_memory) if gpu_memory else None
+    return DeviceOptions(gpu=card, headroom=headroom, alloc_conf=alloc_conf,
+                         cudnn_benchmark=cudnn_benchmark, data_parallel=data_parallel)
 
 
 def estimate_from_trace(
@@ -84,14 +104,22 @@ def estimate(
     target: str = "cuda",
     example_batch: Any = None,
     loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    gpu: str | None = None,
+    gpu_memory: str | None = None,
+    headroom: float = 0.10,
+    alloc_conf: str | None = None,
+    cudnn_benchmark: bool = False,
 ) -> Estimate:
     """Estimate one training (or inference) step of ``model``.
 
     ``model`` is a source name (``torchvision:resnet50``, ``hf:gpt2``, ``file.py:factory``)
     or an ``nn.Module``; for a module, ``example_batch`` (tensors of any device, only their
     shapes are used) and ``loss_fn(output, batch)`` describe the step. ``target="cpu"``
-    traces what the CPU does instead of emulating a CUDA GPU.
+    traces what the CPU does instead of emulating a CUDA GPU. ``gpu`` (a catalog name) or
+    ``gpu_memory`` ("24GiB") adds a verdict against that card after ``headroom``;
+    ``alloc_conf`` takes ``PYTORCH_CUDA_ALLOC_CONF`` syntax.
     """
+    device = device_options(gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark)
     recipe = Recipe(
         batch_size=batch_size, seq_len=seq_len, input_shape=input_shape, precision=precision,
         optimizer=optimizer, checkpointing=checkpointing, grad_accum=grad_accum, mode=mode,
@@ -100,7 +128,7 @@ def estimate(
         built = module_source(model, recipe, type(model).__name__, example_batch, loss_fn)
     else:
         built = resolve(model, recipe)
-    return estimate_built(built, recipe, target)
+    return estimate_built(built, recipe, target, device)
 
 
 def estimate_step(
@@ -113,6 +141,9 @@ def estimate_step(
     precision: str = "fp32",
     target: str = "cuda",
     name: str | None = None,
+    gpu: str | None = None,
+    gpu_memory: str | None = None,
+    headroom: float = 0.10,
 ) -> Estimate:
     """Estimate the user's own training step: their loss, their loop, their optimizer.
 
@@ -145,6 +176,7 @@ def estimate_step(
     policy = policy_for(target)
     trace = trace_step_function(step_fn, meta_model, batch, optimizer, policy, recipe,
                                 iterations, label)
+    device = device_options(gpu, gpu_memory, headroom)
     params = list({id(p): p for p in meta_model.parameters()}.values())
     info = ModelInfo(
         name=label, architecture=type(model).__name__, kind="custom",
@@ -153,7 +185,8 @@ def estimate_step(
         parameter_bytes=sum(p.numel() * p.element_size() for p in params),
         buffer_bytes=sum(b.numel() * b.element_size() for b in meta_model.buffers()),
     )
-    return estimate_from_trace(trace, info, recipe, policy.name, list(trace.notes))
+    result = estimate_from_trace(trace, info, recipe, policy.name, list(trace.notes))
+    return apply_device(result, trace, device) if policy.name == "cuda" else result
 
 
 def _leading_dim(batch: Any) -> int:

@@ -40,6 +40,7 @@ EXIT_OOM = 3
 
 def _register_commands() -> None:
     from vramplan.cli import estimate_cmd  # noqa: F401
+    from vramplan.cli import gpus_cmd  # noqa: F401
     from vramplan.cli import models_cmd  # noqa: F401
 
 
@@ -60,9 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     except click_exceptions.UsageError as exc:
         fail(exc.format_message().replace("\n", " "))
-    except click_exceptions.Abort:
-        fail("aborted")
-    except click_exceptions.Exit as exc:
+    except click_exceptions.ClickException as exc:
+        fail(exc.format_message().replace("\n", " "))
+    except typer.Exit as exc:
         return exc.exit_code
     return result if isinstance(result, int) else 0
 

@@ -1,18 +1,42 @@
 """``vramplan estimate``: trace one step and explain its memory.
 
-    $ vramplan estimate torchvision:resnet50 --batch-size 64
+    $ vramplan estimate torchvision:resnet50 --batch-size 64 --gpu a100
 """
 
 from __future__ import annotations
 
-from vramplan.api import estimate_built
+from vramplan.api import device_options, estimate_built
 from vramplan.cli import app
 from vramplan.cli.options import (
-    BatchSize, CheckpointingOpt, GradAccum, InputShape, JsonOpt, ModeOpt, Model, OptimizerOpt,
-    PrecisionOpt, SeqLen, TargetOpt, UnitsOpt, recipe_from_options,
+    AllocConfOpt,
+    BatchSize,
+    CheckpointingOpt,
+    CudnnBenchmarkOpt,
+    FrameworkOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    GradAccum,
+    HeadroomOpt,
+    InputShape,
+    JsonOpt,
+    ModeOpt,
+    Model,
+    OptimizerOpt,
+    PrecisionOpt,
+    SeqLen,
+    TargetOpt,
+    UnitsOpt,
+    recipe_from_options,
 )
+from vramplan.errors import UserError
 from vramplan.report.render import emit
 from vramplan.sources import resolve
+
+TENSORFLOW_NOTE = (
+    "TensorFlow reserves nearly the whole card at start-up unless memory growth is on "
+    "(tf.config.experimental.set_memory_growth); nvidia-smi then shows the card as full "
+    "whatever the model needs. This estimate is the PyTorch step's memory."
+)
 
 
 @app.command("estimate")
@@ -27,13 +51,26 @@ def estimate_command(
     grad_accum: GradAccum = 1,
     mode: ModeOpt = "train",
     target: TargetOpt = "cuda",
+    gpu: GpuOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+    headroom: HeadroomOpt = 0.10,
+    alloc_conf: AllocConfOpt = None,
+    cudnn_benchmark: CudnnBenchmarkOpt = False,
+    framework: FrameworkOpt = "pytorch",
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
 ) -> int:
     """Trace one training (or inference) step with fake tensors and break down its peak."""
+    if framework not in ("pytorch", "tensorflow"):
+        raise UserError(f"unknown framework {framework!r}; choose pytorch or tensorflow")
+    if target not in ("cuda", "cpu"):
+        raise UserError(f"unknown target {target!r}; choose cuda or cpu")
     recipe = recipe_from_options(
         batch_size=batch_size, seq_len=seq_len, input_shape=input_shape, precision=precision,
         optimizer=optimizer, checkpointing=checkpointing, grad_accum=grad_accum, mode=mode,
     )
-    result = estimate_built(resolve(model, recipe), recipe, target)
+    device = device_options(gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark)
+    result = estimate_built(resolve(model, recipe), recipe, target, device)
+    if framework == "tensorflow":
+        result = result.with_changes(notes=(*result.notes, TENSORFLOW_NOTE))
     return emit(result, json_output=json_output, units=units)

@@ -46,3 +46,17 @@ def recipe_from_options(
         precision=precision, optimizer=optimizer, checkpointing=checkpointing,
         grad_accum=grad_accum, mode=mode,
     )
+
+GpuOpt = Annotated[str | None, typer.Option(
+    "--gpu", "-g", help="Judge against a catalog card: a100, A100-80GB, h100, t4, ... "
+                        "(see `vramplan gpus`).")]
+GpuMemoryOpt = Annotated[str | None, typer.Option(
+    "--gpu-memory", help="Judge against a card of this size instead, e.g. 24GiB.")]
+HeadroomOpt = Annotated[float, typer.Option(
+    "--headroom", help="Fraction of the card kept free for safety (0.10 = 10%).")]
+AllocConfOpt = Annotated[str | None, typer.Option(
+    "--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF to emulate, e.g. expandable_segments:True.")]
+CudnnBenchmarkOpt = Annotated[bool, typer.Option(
+    "--cudnn-benchmark", help="Emulate torch.backends.cudnn.benchmark=True.")]
+FrameworkOpt = Annotated[str, typer.Option(
+    "--framework", help="pytorch | tensorflow (TensorFlow: explains its whole-card reservation).")]

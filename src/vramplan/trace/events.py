@@ -66,6 +66,8 @@ class Trace:
     module_kinds: dict[str, str] = field(default_factory=dict)
     op_counts: dict[tuple[str, str], int] = field(default_factory=dict)
     """How many times each ATen op ran, keyed by (phase, op name)."""
+    markers: tuple = ()
+    """``OpMarker``s of library-backed ops (convolutions), for the device model."""
 
     def events(self) -> Iterator[Event]:
         """Allocations and frees interleaved in the order they happened."""

@@ -22,6 +22,26 @@ from vramplan.trace.events import PhaseMark
 from vramplan.trace.modules import ModuleStack
 
 
+_CONVOLUTIONS = ("convolution", "convolution_backward", "cudnn_convolution",
+                 "_convolution", "convolution_overrideable")
+
+
+@dataclass(frozen=True)
+class OpMarker:
+    """Where a library-backed op ran: after event ``index``, with its tensor bytes."""
+
+    index: int
+    phase: str
+    op: str
+    input_bytes: int
+    output_bytes: int
+
+
+def _tensor_bytes(tree) -> int:
+    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0]
+               if isinstance(t, torch.Tensor))
+
+
 @dataclass
 class StorageRecord:
     """A storage as it is being traced; frozen into an ``Allocation`` at the end."""
@@ -56,6 +76,7 @@ class AllocationRecorder(TorchDispatchMode):
         self._optimizer_depth = 0
         self._closed = False
         self.op_counts: dict[tuple[str, str], int] = {}
+        self.markers: list[OpMarker] = []
 
     # -- phases -----------------------------------------------------------------------
     def set_phase(self, phase: str, iteration: int) -> None:
@@ -137,4 +158,7 @@ class AllocationRecorder(TorchDispatchMode):
         for item in tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor) and item.device.type != "meta":
                 self.track(item, name)
+        if name in _CONVOLUTIONS:
+            self.markers.append(OpMarker(self.event_count - 1, phase_key[0], name,
+                                         _tensor_bytes((args, kwargs)), _tensor_bytes(out)))
         return out

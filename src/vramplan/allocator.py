@@ -1,0 +1,552 @@
+"""A simulation of PyTorch's CUDA caching allocator, replayed over a trace.
+
+The rules follow ``c10/cuda/CUDACachingAllocator.cpp`` (PyTorch 2.4–2.x; see
+../shared/research/runtime.md §1): requests round up to 512 B (or to power-of-two
+divisions), requests of at most 1 MiB use the small pool with 2 MiB segments, larger ones
+the large pool with 20 MiB segments below 10 MiB and 2 MiB-rounded segments above; the
+best-fitting cached block (smallest size, then lowest address) on the same stream is
+reused and split when the remainder is worth keeping; freed blocks merge with free
+neighbours of their segment; before an out-of-memory error, cached whole segments are
+released and the allocation is retried::
+
+    >>> sim = CachingAllocator(AllocatorConfig())
+    >>> block = sim.malloc(100)
+    >>> sim.stats.allocated, sim.stats.reserved
+    (512, 2097152)
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from vramplan.errors import UserError
+
+KB = 1024
+MB = 1024 * 1024
+MIN_BLOCK = 512
+SMALL_SIZE = 1 * MB
+SMALL_BUFFER = 2 * MB
+MIN_LARGE_ALLOC = 10 * MB
+LARGE_BUFFER = 20 * MB
+ROUND_LARGE = 2 * MB
+ROUNDUP_INTERVALS = 16
+UNLIMITED = 2**63
+
+
+def _is_power_of_two(value: int) -> bool:
+    return value > 0 and value & (value - 1) == 0
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """The settings of ``PYTORCH_CUDA_ALLOC_CONF`` that change memory use.
+
+    >>> AllocatorConfig.parse("max_split_size_mb:128,expandable_segments:True").max_split_size
+    134217728
+    """
+
+    max_split_size: int = UNLIMITED
+    max_non_split_rounding: int = LARGE_BUFFER
+    roundup_power2_divisions: tuple[int, ...] = (0,) * ROUNDUP_INTERVALS
+    expandable_segments: bool = False
+    garbage_collection_threshold: float = 0.0
+    backend: str = "native"
+
+    @classmethod
+    def parse(cls, text: str | None) -> AllocatorConfig:
+        """Read the ``key:value,key:value`` syntax of ``PYTORCH_CUDA_ALLOC_CONF``."""
+        if not text or not text.strip():
+            return cls()
+        values: dict = {}
+        for key, value in _split_options(text):
+            if key == "max_split_size_mb":
+                mb = _number(key, value)
+                if mb < LARGE_BUFFER // MB:
+                    raise UserError(f"alloc conf: max_split_size_mb must be at least 20, got {value}")
+                values["max_split_size"] = int(mb * MB)
+            elif key == "max_non_split_rounding_mb":
+                values["max_non_split_rounding"] = int(_number(key, value) * MB)
+            elif key == "roundup_power2_divisions":
+                values["roundup_power2_divisions"] = _parse_divisions(value)
+            elif key == "expandable_segments":
+                values["expandable_segments"] = _boolean(key, value)
+            elif key == "garbage_collection_threshold":
+                threshold = _number(key, value)
+                if not 0.0 < threshold < 1.0:
+                    raise UserError(
+                        f"alloc conf: garbage_collection_threshold must be in (0, 1), got {value}")
+                values["garbage_collection_threshold"] = threshold
+            elif key == "backend":
+                if value not in ("native", "cudaMallocAsync"):
+                    raise UserError(f"alloc conf: backend must be native or cudaMallocAsync, got {value}")
+                values["backend"] = value
+            elif key in ("release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
+                         "pinned_num_register_threads", "pinned_use_background_threads"):
+                continue  # no effect on device memory
+            else:
+                raise UserError(f"alloc conf: unknown option {key!r}")
+        return cls(**values)
+
+    def divisions_for(self, size: int) -> int:
+        """The power-of-two divisions that apply to a request of ``size`` bytes."""
+        index = max(0, size.bit_length() - 1 - 20)
+        return self.roundup_power2_divisions[min(index, ROUNDUP_INTERVALS - 1)]
+
+
+def _split_options(text: str) -> list[tuple[str, str]]:
+    """Split on commas outside brackets, then on the first colon."""
+    parts, depth, current = [], 0, ""
+    for char in text.strip():
+        depth += char == "["
+        depth -= char == "]"
+        if char == "," and depth == 0:
+            parts.append(current)
+            current = ""
+        else:
+            current += char
+    parts.append(current)
+    pairs = []
+    for part in parts:
+        key, sep, value = part.strip().partition(":")
+        if not sep or not key.strip() or not value.strip():
+            raise UserError(f"alloc conf: cannot read {part.strip()!r}; use key:value pairs")
+        pairs.append((key.strip(), value.strip()))
+    return pairs
+
+
+def _number(key: str, value: str) -> float:
+    try:
+        return float(value)
+    except ValueError:
+        raise UserError(f"alloc conf: {key} needs a number, got {value!r}") from None
+
+
+def _boolean(key: str, value: str) -> bool:
+    if value in ("True", "true", "1"):
+        return True
+    if value in ("False", "false", "0"):
+        return False
+    raise UserError(f"alloc conf: {key} needs True or False, got {value!r}")
+
+
+def _division(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise UserError(f"alloc conf: roundup_power2_divisions needs integers, got {value!r}") from None
+    if number != 0 and not _is_power_of_two(number):
+        raise UserError(f"alloc conf: roundup_power2_divisions must be 0 or a power of 2, got {number}")
+    return number
+
+
+def _parse_divisions(value: str) -> tuple[int, ...]:
+    """A single value for every interval, or ``[256:1,512:2,>:8]`` keyed by MB sizes."""
+    if not value.startswith("["):
+        return (_division(value),) * ROUNDUP_INTERVALS
+    if not value.endswith("]"):
+        raise UserError(f"alloc conf: unterminated list in roundup_power2_divisions {value!r}")
+    slots = [0] * ROUNDUP_INTERVALS
+    last_index, first = 0, True
+    for item in value[1:-1].split(","):
+        key, sep, number = item.strip().partition(":")
+        if not sep:
+            raise UserError(f"alloc conf: cannot read {item!r} in roundup_power2_divisions")
+        divisions = _division(number.strip())
+        if key.strip() == ">":
+            for index in range(last_index + 1, ROUNDUP_INTERVALS):
+                slots[index] = divisions
+            continue
+        megabytes = int(_number("roundup_power2_divisions", key))
+        if not _is_power_of_two(megabytes):
+            raise UserError(f"alloc conf: roundup_power2_divisions sizes must be powers of 2, got {key}")
+        index = min(megabytes.bit_length() - 1, ROUNDUP_INTERVALS - 1)
+        if first:
+            for lower in range(index):
+                slots[lower] = divisions
+            first = False
+        slots[index] = divisions
+        last_index = index
+    return tuple(slots)
+
+
+def round_size(size: int, config: AllocatorConfig) -> int:
+    """The block size a request of ``size`` bytes is rounded to.
+
+    >>> round_size(1200, AllocatorConfig())
+    1536
+    >>> round_size(1200 * 1024 * 1024, AllocatorConfig.parse("roundup_power2_divisions:4"))
+    1342177280
+    """
+    if size < MIN_BLOCK:
+        return MIN_BLOCK
+    divisions = config.divisions_for(size)
+    if divisions > 1 and size > MIN_BLOCK * divisions:
+        if _is_power_of_two(size):
+            return size
+        floor = 1 << (size.bit_length() - 1)
+        step = floor // divisions
+        if step == 0:
+            return floor * 2
+        rounded = size & ~(step - 1)
+        return size if rounded == size else rounded + step
+    return MIN_BLOCK * math.ceil(size / MIN_BLOCK)
+
+
+def segment_size(rounded: int) -> int:
+    """How much ``cudaMalloc`` asks for when no cached block fits a rounded request."""
+    if rounded <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if rounded < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return ROUND_LARGE * math.ceil(rounded / ROUND_LARGE)
+
+
+@dataclass(eq=False)
+class Block:
+    """A piece of a segment, allocated or free."""
+
+    segment: Segment
+    address: int
+    size: int
+    allocated: bool = False
+    prev: Block | None = None
+    next: Block | None = None
+
+    @property
+    def key(self) -> tuple[int, int]:
+        return (self.size, self.address)
+
+
+@dataclass(eq=False)
+class Segment:
+    """One ``cudaMalloc`` (or, expandable, one growing mapping)."""
+
+    address: int
+    size: int
+    small: bool
+    expandable: bool = False
+    first: Block | None = None
+
+
+@dataclass
+class AllocatorStats:
+    """The allocator's counters, named as in ``torch.cuda.memory_stats``."""
+
+    allocated: int = 0
+    reserved: int = 0
+    requested: int = 0
+    peak_allocated: int = 0
+    peak_reserved: int = 0
+    allocated_at_peak_reserved: int = 0
+    reserved_at_peak_allocated: int = 0
+    num_alloc_retries: int = 0
+    num_ooms: int = 0
+    num_device_alloc: int = 0
+    num_device_free: int = 0
+
+
+class OutOfMemory(Exception):
+    """The simulated device cannot serve a request even after releasing the cache."""
+
+    def __init__(self, requested: int, stats: AllocatorStats) -> None:
+        super().__init__(f"out of memory serving {requested} bytes")
+        self.requested = requested
+        self.stats = stats
+
+
+@dataclass
+class _Pool:
+    """Free blocks of one pool, ordered by (size, address): best fit is a bisection."""
+
+    keys: list[tuple[int, int]] = field(default_factory=list)
+    blocks: dict[tuple[int, int], Block] = field(default_factory=dict)
+
+    def add(self, block: Block) -> None:
+        bisect.insort(self.keys, block.key)
+        self.blocks[block.key] = block
+
+    def remove(self, block: Block) -> None:
+        index = bisect.bisect_left(self.keys, block.key)
+        del self.keys[index]
+        del self.blocks[block.key]
+
+    def best_fit(self, size: int) -> Block | None:
+        index = bisect.bisect_left(self.keys, (size, -1))
+        return self.blocks[self.keys[index]] if index < len(self.keys) else None
+
+
+class CachingAllocator:
+    """The caching allocator of one device and one stream, fed requests in trace order.
+
+    ``capacity`` is the memory the allocator may reserve (the card minus what the CUDA
+    context and libraries hold); ``None`` means unlimited.
+    """
+
+    def __init__(self, config: AllocatorConfig, capacity: int | None = None) -> None:
+        self.config = config
+        self.capacity = capacity
+        self.stats = AllocatorStats()
+        self.small = _Pool()
+        self.large = _Pool()
+        self.segments: list[Segment] = []
+        self._addresses = itertools.count(start=1 << 40, step=1 << 40)
+
+    # -- public ------------------------------------------------------------------------
+    def malloc(self, size: int) -> Block:
+        """Serve a request of ``size`` bytes; raise ``OutOfMemory`` when it cannot."""
+        rounded = round_size(size, self.config)
+        small = rounded <= SMALL_SIZE
+        pool = self.small if small else self.large
+        block = self._free_block(pool, rounded)
+        if block is None:
+            block = self._new_block(rounded, small, retry=False)
+        if block is None and self._release_oversize(pool, rounded):
+            block = self._new_block(rounded, small, retry=False)
+        if block is None:
+            self._release_cached()
+            block = self._new_block(rounded, small, retry=True)
+        if block is None:
+            self.stats.num_ooms += 1
+            raise OutOfMemory(size, self.stats)
+        block = self._split(block, rounded, pool)
+        block.allocated = True
+        self.stats.allocated += block.size
+        self.stats.requested += size
+        self._note_peaks()
+        return block
+
+    def free(self, block: Block, requested: int = 0) -> None:
+        """Return a block to its pool, merging it with free neighbours."""
+        block.allocated = False
+        self.stats.allocated -= block.size
+        self.stats.requested -= requested
+        pool = self.small if block.segment.small else self.large
+        for neighbour in (block.prev, block.next):
+            if neighbour is not None and not neighbour.allocated:
+                pool.remove(neighbour)
+                self._merge(block, neighbour)
+        pool.add(block)
+
+    # -- internals ---------------------------------------------------------------------
+    def _note_peaks(self) -> None:
+        stats = self.stats
+        if stats.allocated > stats.peak_allocated:
+            stats.peak_allocated = stats.allocated
+            stats.reserved_at_peak_allocated = stats.reserved
+        if stats.reserved > stats.peak_reserved:
+            stats.peak_reserved = stats.reserved
+            stats.allocated_at_peak_reserved = stats.allocated
+
+    def _free_block(self, pool: _Pool, rounded: int) -> Block | None:
+        block = pool.best_fit(rounded)
+        if block is None:
+            return None
+        limit = self.config.max_split_size
+        if rounded < limit <= block.size:
+            return None  # no oversize block for a small request
+        if rounded >= limit and block.size >= rounded + self.config.max_non_split_rounding:
+            return None
+        pool.remove(block)
+        return block
+
+    def _new_block(self, rounded: int, small: bool, retry: bool) -> Block | None:
+        if retry:
+            self.stats.num_alloc_retries += 1
+        if self.config.expandable_segments:
+            return self._grow_expandable(rounded, small)
+        size = segment_size(rounded)
+        if self.capacity is not None and self.stats.reserved + size > self.capacity:
+            return None
+        segment = Segment(next(self._addresses), size, small)
+        segment.first = Block(segment, segment.address, size)
+        self.segments.append(segment)
+        self.stats.reserved += size
+        self.stats.num_device_alloc += 1
+        self._note_peaks()
+        return segment.first
+
+    def _grow_expandable(self, rounded: int, small: bool) -> Block | None:
+        """Map more pages at the end of the pool's one segment (2 MiB small, 20 MiB large)."""
+        page = SMALL_BUFFER if small else LARGE_BUFFER
+        segment = next((s for s in self.segments if s.expandable and s.small == small), None)
+        if segment is None:
+            segment = Segment(next(self._addresses), 0, small, expandable=True)
+            self.segments.append(segment)
+        tail = segment.first
+        while tail is not None and tail.next is not None:
+            tail = tail.next
+        free_tail = tail if tail is not None and not tail.allocated else None
+        have = free_tail.size if free_tail is not None else 0
+        grow = page * math.ceil((rounded - have) / page)
+        if self.capacity is not None and self.stats.reserved + grow > self.capacity:
+            return None
+        pool = self.small if small else self.large
+        if free_tail is not None:
+            pool.remove(free_tail)
+            free_tail.size += grow
+            block = free_tail
+        else:
+            block = Block(segment, segment.address + segment.size, grow, prev=tail)
+            if tail is None:
+                segment.first = block
+            else:
+                tail.next = block
+        segment.size += grow
+        self.stats.reserved += grow
+        self.stats.num_device_alloc += 1
+        self._note_peaks()
+        return block
+
+    def _split(self, block: Block, rounded: int, pool: _Pool) -> Block:
+        remaining = block.size - rounded
+        if block.segment.small or self.config.expandable_segments:
+            worth = remaining >= MIN_BLOCK
+        else:
+            worth = rounded < self.config.max_split_size and remaining > SMALL_SIZE
+        if not worth:
+            return block
+        rest = Block(block.segment, block.address + rounded, remaining, prev=block, next=block.next)
+        if block.next is not None:
+            block.next.prev = rest
+        block.next = rest
+        block.size = rounded
+        pool.add(rest)
+        return block
+
+    @staticmethod
+    def _merge(block: Block, neighbour: Block) -> None:
+        if neighbour is block.prev:
+            block.address = neighbour.address
+            block.prev = neighbour.prev
+            if neighbour.prev is not None:
+                neighbour.prev.next = block
+            if block.segment.first is neighbour:
+                block.segment.first = block
+        else:
+            block.next = neighbour.next
+            if neighbour.next is not None:
+                neighbour.next.prev = block
+        block.size += neighbour.size
+
+    def _release_segment(self, segment: Segment) -> None:
+        pool = self.small if segment.small else self.large
+        pool.remove(segment.first)
+        self.segments.remove(segment)
+        self.stats.reserved -= segment.size
+        self.stats.num_device_free += 1
+
+    def _whole_free_segments(self) -> list[Segment]:
+        return [s for s in self.segments
+                if s.first is not None and s.first.next is None and not s.first.allocated]
+
+    def _release_oversize(self, pool: _Pool, rounded: int) -> bool:
+        """With ``max_split_size`` set: free one cached oversize segment big enough, or the
+        largest ones until enough is freed (``release_available_cached_blocks``)."""
+        limit = self.config.max_split_size
+        if limit == UNLIMITED or self.config.expandable_segments:
+            return False
+        wanted = max(rounded, limit)
+        candidates = sorted(
+            (s for s in self._whole_free_segments()
+             if (s.small == (pool is self.small)) and s.size >= limit),
+            key=lambda s: (s.size, s.address),
+        )
+        fitting = [s for s in candidates if s.size >= wanted]
+        if fitting:
+            self._release_segment(fitting[0])
+            return True
+        released = 0
+        for segment in reversed(candidates):
+            if released >= wanted:
+                break
+            self._release_segment(segment)
+            released += segment.size
+        return released >= wanted
+
+    def _release_cached(self) -> None:
+        """``empty_cache()``: free every segment that holds no allocated block; expandable
+        segments unmap their free tail pages."""
+        for segment in self._whole_free_segments():
+            if not segment.expandable:
+                self._release_segment(segment)
+        for segment in [s for s in self.segments if s.expandable]:
+            self._unmap_free_tail(segment)
+
+    def _unmap_free_tail(self, segment: Segment) -> None:
+        page = SMALL_BUFFER if segment.small else LARGE_BUFFER
+        tail = segment.first
+        while tail is not None and tail.next is not None:
+            tail = tail.next
+        if tail is None or tail.allocated:
+            return
+        pool = self.small if segment.small else self.large
+        first_whole_page = page * math.ceil((tail.address - segment.address) / page)
+        release = segment.size - first_whole_page
+        if release <= 0:
+            return
+        pool.remove(tail)
+        tail.size -= release
+        segment.size -= release
+        self.stats.reserved -= release
+        self.stats.num_device_free += 1
+        if tail.size > 0:
+            pool.add(tail)
+        elif tail.prev is not None:
+            tail.prev.next = None
+        else:
+            segment.first = None
+
+
+@dataclass(frozen=True)
+class Request:
+    """One step of a replay: allocate (``size`` bytes) or free the allocation ``key``."""
+
+    key: int
+    size: int
+    is_alloc: bool
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    """What the allocator did over a whole replay."""
+
+    stats: AllocatorStats
+    block_sizes: dict[int, int]
+    oom_at: int | None = None
+    """Index (in the request list) of the allocation that ran out of memory, if any."""
+
+    @property
+    def fragmentation(self) -> int:
+        """Reserved but unallocated bytes at the reserved peak."""
+        return self.stats.peak_reserved - self.stats.allocated_at_peak_reserved
+
+
+def replay(requests: list[Request], config: AllocatorConfig,
+           capacity: int | None = None) -> ReplayResult:
+    """Feed requests to a simulated allocator; stop at the first out-of-memory error.
+
+    >>> result = replay([Request(0, 3 * 2**20, True), Request(0, 3 * 2**20, False)],
+    ...                 AllocatorConfig())
+    >>> result.stats.peak_reserved
+    20971520
+    """
+    allocator = CachingAllocator(config, capacity)
+    live: dict[int, tuple[Block, int]] = {}
+    sizes: dict[int, int] = {}
+    for position, request in enumerate(requests):
+        if request.size == 0:
+            continue
+        if request.is_alloc:
+            try:
+                block = allocator.malloc(request.size)
+            except OutOfMemory:
+                return ReplayResult(allocator.stats, sizes, oom_at=position)
+            live[request.key] = (block, request.size)
+            sizes[request.key] = block.size
+        elif request.key in live:
+            block, size = live.pop(request.key)
+            allocator.free(block, size)
+    return ReplayResult(allocator.stats, sizes)

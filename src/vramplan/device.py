@@ -1,0 +1,187 @@
+"""The device model: replay a trace through the caching allocator, add the runtime, and
+judge the result against a card.
+
+    >>> opts = DeviceOptions(gpu=lookup_gpu("a100-40gb"), headroom=0.10)
+    >>> est = apply_device(estimate, trace, opts)          # doctest: +SKIP
+    >>> est.peak.allocated_bytes <= est.peak.reserved_bytes <= est.peak.device_total_bytes
+    True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from vramplan.allocator import AllocatorConfig, Request, replay
+from vramplan.errors import UserError
+from vramplan.estimate import Estimate, Verdict
+from vramplan.gpus import GpuSpec, lookup_gpu
+from vramplan.runtime import (
+    conv_workspace_ratio,
+    cublas_workspace_bytes,
+    cublaslt_workspace_bytes,
+    outside_allocator,
+    uses_matmul,
+)
+from vramplan.summarize import summarize_trace
+from vramplan.trace.events import Allocation, PhaseMark, Trace
+
+DEFAULT_GPU = "A100-80GB"
+SPREAD = 4  # trace indices are spread out so workspaces can be slotted between events
+
+
+@dataclass(frozen=True)
+class DeviceOptions:
+    """How to emulate the device: which card, the allocator settings, the margins."""
+
+    gpu: GpuSpec | None = None
+    headroom: float = 0.10
+    alloc_conf: str | None = None
+    cudnn_benchmark: bool = False
+    data_parallel: int = 1
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.headroom < 1.0:
+            raise UserError(f"headroom must be a fraction in [0, 1), got {self.headroom}")
+        if self.data_parallel < 1:
+            raise UserError(f"data-parallel degree must be at least 1, got {self.data_parallel}")
+        AllocatorConfig.parse(self.alloc_conf)  # fail early on a malformed conf
+
+    @property
+    def card(self) -> GpuSpec:
+        """The card to emulate: the chosen one, or the default architecture."""
+        return self.gpu or lookup_gpu(DEFAULT_GPU)
+
+
+def _first_index(trace: Trace, phase: str) -> int | None:
+    mark = next((m for m in trace.phases if m.phase == phase), None)
+    return None if mark is None else mark.index
+
+
+def _workspace(id_: int, nbytes: int, index: int, phase: str, iteration: int, op: str,
+               free_index: int | None) -> Allocation:
+    return Allocation(id=id_, nbytes=nbytes, category="temporaries", phase=phase,
+                      iteration=iteration, module="", op=op, alloc_index=index,
+                      free_index=free_index)
+
+
+def device_trace(trace: Trace, gpu: GpuSpec, cudnn_benchmark: bool) -> Trace:
+    """The trace as the GPU sees it: cuBLAS/cuBLASLt workspaces created at the first matmul
+    of forward and of backward (one handle per thread, kept), and a transient cuDNN
+    workspace around every convolution."""
+    allocations = [replace(a, alloc_index=a.alloc_index * SPREAD,
+                           free_index=None if a.free_index is None else a.free_index * SPREAD)
+                   for a in trace.allocations]
+    next_id = max((a.id for a in trace.allocations), default=-1) + 1
+    for phase in ("forward", "backward"):
+        start = _first_index(trace, phase)
+        if start is None or not uses_matmul(trace, phase):
+            continue
+        iteration = trace.phase_at(start).iteration
+        for op, nbytes in (("cublas_workspace", cublas_workspace_bytes(gpu)),
+                           ("cublaslt_workspace", cublaslt_workspace_bytes(gpu))):
+            if nbytes:
+                allocations.append(_workspace(next_id, nbytes, start * SPREAD - 1, phase,
+                                              iteration, op, None))
+                next_id += 1
+    ratio = conv_workspace_ratio(cudnn_benchmark)
+    for marker in trace.markers:
+        nbytes = int(ratio * max(marker.input_bytes, marker.output_bytes))
+        if nbytes:
+            index = marker.index * SPREAD + 1
+            mark = trace.phase_at(marker.index)
+            allocations.append(_workspace(next_id, nbytes, index, marker.phase, mark.iteration,
+                                          "cudnn_workspace", index + 1))
+            next_id += 1
+    phases = tuple(PhaseMark(max(0, m.index * SPREAD - 1) if m.index else 0, m.phase, m.iteration)
+                   for m in trace.phases)
+    return replace(trace, allocations=tuple(allocations), phases=phases,
+                   event_count=trace.event_count * SPREAD)
+
+
+def requests_of(trace: Trace) -> list[Request]:
+    """The allocator requests of a trace, in order."""
+    return [Request(e.allocation.id, e.allocation.nbytes, e.is_alloc) for e in trace.events()]
+
+
+def _verdict(gpu: GpuSpec, headroom: float, device_total: int, oom: bool) -> Verdict:
+    usable = int(gpu.total_bytes * (1.0 - headroom))
+    if oom or device_total > gpu.total_bytes:
+        status = "oom" if oom else "tight"
+    elif device_total > usable:
+        status = "tight"
+    else:
+        status = "fits"
+    return Verdict(gpu=gpu.name, capacity_bytes=gpu.total_bytes, headroom=headroom,
+                   status=status, compared_bytes=device_total, usable_bytes=usable)
+
+
+def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Estimate:
+    """Fill the reserved peak, the device total, the runtime terms and (with a GPU) the
+    verdict. Allocated bytes and components become block sizes, as
+    ``torch.cuda.max_memory_allocated`` counts them."""
+    gpu = options.card
+    config = AllocatorConfig.parse(options.alloc_conf)
+    on_device = device_trace(trace, gpu, options.cudnn_benchmark)
+    requests = requests_of(on_device)
+    unlimited = replay(requests, config)
+    rounded = replace(on_device, allocations=tuple(
+        replace(a, nbytes=unlimited.block_sizes.get(a.id, a.nbytes)) for a in on_device.allocations))
+    summary = summarize_trace(rounded, trace.module_kinds)
+    outside = outside_allocator(trace, gpu, options.data_parallel)
+    stats = unlimited.stats
+    device_total = stats.peak_reserved + outside.total
+
+    oom = False
+    retries = 0
+    if options.gpu is not None and stats.peak_reserved + outside.total > gpu.total_bytes:
+        limited = replay(requests, config, capacity=gpu.total_bytes - outside.total)
+        oom = limited.oom_at is not None
+        retries = limited.stats.num_alloc_retries
+        if not oom:
+            device_total = limited.stats.peak_reserved + outside.total
+
+    workspaces = {
+        op: sum(a.nbytes for a in on_device.allocations if a.op == op)
+        for op in ("cublas_workspace", "cublaslt_workspace")
+    }
+    conv = [a.nbytes for a in on_device.allocations if a.op == "cudnn_workspace"]
+    runtime = {**outside.to_json(), **workspaces, "cudnn_workspace_largest": max(conv, default=0)}
+    notes = list(estimate.notes)
+    if options.gpu is None:
+        notes.append(f"no --gpu given: reserved and device totals emulate an {gpu.name} "
+                     f"({gpu.arch}) runtime")
+    if conv:
+        notes.append("cuDNN convolution workspaces are a heuristic (a fraction of each "
+                     "convolution's tensors); calibrate on your GPU to replace it")
+    if retries:
+        notes.append(f"fits only after the allocator frees its cache and retries ({retries}x): "
+                     "expect slow steps")
+    peak = replace(
+        summary.peak,
+        reserved_bytes=stats.peak_reserved,
+        device_total_bytes=device_total,
+        fragmentation_bytes=unlimited.fragmentation,
+    )
+    details = dict(estimate.details)
+    details.update({
+        "gpu": gpu.to_json(),
+        "alloc_conf": options.alloc_conf or "",
+        "tensor_allocated_bytes": estimate.peak.allocated_bytes,
+        "tensor_components": dict(estimate.components),
+        "allocator": {"segments_allocated": stats.num_device_alloc,
+                      "reserved_at_allocated_peak": stats.reserved_at_peak_allocated,
+                      "allocated_at_reserved_peak": stats.allocated_at_peak_reserved,
+                      "alloc_retries": retries},
+    })
+    return replace(
+        estimate,
+        peak=peak,
+        components=summary.components,
+        phase_peaks=summary.phase_peaks,
+        top_modules=summary.top_modules,
+        timeline=summary.timeline,
+        runtime=runtime,
+        verdict=_verdict(gpu, options.headroom, device_total, oom) if options.gpu else None,
+        notes=tuple(notes),
+        details=details,
+    )

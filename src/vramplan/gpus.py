@@ -1,0 +1,78 @@
+"""The GPU catalog: names, memory as the device reports it, architecture.
+
+>>> lookup_gpu("a100").name
+'A100-80GB'
+>>> lookup_gpu("A100-40GB").total_bytes
+42949672960
+>>> gpu_from_memory("24GiB").total_bytes
+25769803776
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import re
+from dataclasses import dataclass
+from functools import cache
+from importlib import resources
+
+from vramplan.errors import UserError
+from vramplan.units import parse_bytes
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One card: its catalog name, total memory in bytes, and architecture."""
+
+    name: str
+    total_bytes: int
+    arch: str = "sm80"
+    family: str = "Ampere"
+    vendor: str = "nvidia"
+    aliases: tuple[str, ...] = ()
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "total_bytes": self.total_bytes, "arch": self.arch,
+                "family": self.family, "vendor": self.vendor}
+
+
+def _key(name: str) -> str:
+    """Normalise a spelling: lower case, no spaces/underscores, no 'nvidia' or 'tesla'."""
+    key = re.sub(r"[\s_]+", "-", name.strip().lower())
+    for prefix in ("nvidia-", "tesla-", "geforce-", "amd-", "instinct-"):
+        key = key.removeprefix(prefix)
+    return key
+
+
+@cache
+def catalog() -> tuple[GpuSpec, ...]:
+    """Every GPU in the bundled catalog (``data/gpus.json``)."""
+    data = json.loads((resources.files("vramplan") / "data" / "gpus.json").read_text())
+    return tuple(
+        GpuSpec(name=g["name"], total_bytes=g["total_bytes"], arch=g["arch"], family=g["family"],
+                vendor=g["vendor"], aliases=tuple(g["aliases"]))
+        for g in data["gpus"]
+    )
+
+
+def lookup_gpu(name: str) -> GpuSpec:
+    """The catalog GPU a common spelling names; a UserError lists close matches."""
+    wanted = _key(name)
+    spellings: dict[str, GpuSpec] = {}
+    for gpu in catalog():
+        spellings[_key(gpu.name)] = gpu
+        for alias in gpu.aliases:
+            spellings.setdefault(_key(alias), gpu)
+    if wanted in spellings:
+        return spellings[wanted]
+    close = difflib.get_close_matches(wanted, list(spellings), n=4, cutoff=0.5)
+    names = sorted({spellings[c].name for c in close})
+    hint = f"; close matches: {', '.join(names)}" if names else "; see `vramplan gpus`"
+    raise UserError(f"unknown GPU {name!r}{hint} (or give --gpu-memory 24GiB)")
+
+
+def gpu_from_memory(size: str, arch: str = "sm80") -> GpuSpec:
+    """An unnamed card with the given memory (``--gpu-memory 24GiB``)."""
+    total = parse_bytes(size, "GPU memory")
+    return GpuSpec(name=f"custom ({size})", total_bytes=total, arch=arch)

@@ -1,0 +1,140 @@
+"""The device model: block sizes, reserved and device totals, runtime terms, verdicts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vramplan.cli import main
+from vramplan.errors import UserError
+from vramplan.gpus import catalog, gpu_from_memory, lookup_gpu
+from vramplan.runtime import runtime_table
+
+
+@pytest.fixture
+def tiny_gpt2(tmp_path):
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 1024,
+              "n_positions": 128, "n_embd": 64, "n_layer": 2, "n_head": 2}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return f"hf:{path}"
+
+
+def run_cli(capsys, *args):
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.mark.parametrize("spelling,name", [("a100", "A100-80GB"), ("A100-80GB", "A100-80GB"),
+                                           ("a100_40gb", "A100-40GB"), ("h100", "H100-SXM"),
+                                           ("NVIDIA H100 PCIe", "H100-PCIe"), ("Tesla T4", "T4"),
+                                           ("rtx 4090", "RTX-4090"), ("MI300X", "MI300X")])
+def test_gpu_spellings(spelling, name):
+    assert lookup_gpu(spelling).name == name
+
+
+def test_catalog_covers_the_issue_list():
+    names = {gpu.name for gpu in catalog()}
+    assert {"T4", "V100-16GB", "V100-32GB", "A10", "A10G", "L4", "L40S", "A100-40GB",
+            "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "RTX-3090", "RTX-4090",
+            "RTX-5090", "MI250X", "MI300X"} <= names
+    assert all(gpu.total_bytes % 2**20 == 0 for gpu in catalog())
+    assert gpu_from_memory("24GiB").total_bytes == 24 * 2**30
+
+
+def test_unknown_gpu_lists_close_matches():
+    with pytest.raises(UserError, match="close matches: .*A100"):
+        lookup_gpu("a1000")
+
+
+def test_figures_are_ordered_and_verdict_follows(capsys, tiny_gpt2):
+    code, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "64", "--batch-size", "2",
+                           "--precision", "amp-bf16", "--optimizer", "adamw",
+                           "--gpu", "a100-40gb", "--json")
+    assert code == 0
+    data = json.loads(out)
+    peak = data["peak"]
+    assert peak["allocated_bytes"] <= peak["reserved_bytes"] <= peak["device_total_bytes"]
+    assert sum(data["components"].values()) == peak["allocated_bytes"]
+    verdict = data["verdict"]
+    assert verdict["gpu"] == "A100-40GB" and verdict["capacity_bytes"] == 40960 * 2**20
+    assert verdict["usable_bytes"] == int(verdict["capacity_bytes"] * 0.9)
+    assert verdict["status"] == "fits"
+    assert verdict["compared_bytes"] == peak["device_total_bytes"]
+    runtime = data["runtime"]
+    assert peak["device_total_bytes"] - peak["reserved_bytes"] == (
+        runtime["cuda_context"] + runtime["cublas_kernels"] + runtime["cudnn_kernels"]
+        + runtime["nccl"])
+    # one cuBLAS + one cuBLASLt workspace for forward and again for backward (two threads)
+    table = runtime_table()
+    assert runtime["cublas_workspace"] == 2 * table["cublas_workspace"]["default_bytes"]
+    assert runtime["cublaslt_workspace"] == 2 * table["cublaslt_workspace"]["bytes"]
+
+
+def test_hopper_gets_the_larger_cublas_workspace(capsys, tiny_gpt2):
+    code, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--gpu", "h100",
+                           "--json")
+    assert json.loads(out)["runtime"]["cublas_workspace"] == 2 * 32 * 2**20
+
+
+def test_allocated_counts_block_sizes(capsys, tiny_gpt2):
+    _, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--json")
+    data = json.loads(out)
+    tensor_level = data["details"]["tensor_allocated_bytes"]
+    assert data["peak"]["allocated_bytes"] >= tensor_level
+    assert all(value % 512 == 0 for value in data["components"].values())  # whole blocks
+
+
+def test_headroom_moves_fits_to_tight_and_oom_exits_3(capsys, tiny_gpt2):
+    _, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--json")
+    total = json.loads(out)["peak"]["device_total_bytes"]
+    card = f"{int(total / 0.95)}B"  # the step fills 95% of this card
+    code, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--gpu-memory", card,
+                           "--headroom", "0.0", "--json")
+    assert code == 0 and json.loads(out)["verdict"]["status"] == "fits"
+    code, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--gpu-memory", card,
+                           "--headroom", "0.1", "--json")
+    assert code == 0 and json.loads(out)["verdict"]["status"] == "tight"
+    code, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--gpu-memory",
+                           f"{total // 2}B", "--json")
+    assert code == 3 and json.loads(out)["verdict"]["status"] == "oom"
+
+
+def test_expandable_segments_map_whole_pages(capsys, tiny_gpt2):
+    _, plain, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "64", "--batch-size", "4",
+                          "--json")
+    _, expandable, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "64", "--batch-size",
+                               "4", "--alloc-conf", "expandable_segments:True", "--json")
+    plain, expandable = json.loads(plain)["peak"], json.loads(expandable)["peak"]
+    assert expandable["allocated_bytes"] <= expandable["reserved_bytes"]
+    assert expandable["reserved_bytes"] % (2 * 2**20) == 0
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--gpu", "a1000"], "unknown GPU 'a1000'; close matches"),
+    (["--alloc-conf", "max_split_size_mb:abc"], "needs a number"),
+    (["--headroom", "1.2"], "headroom must be a fraction"),
+    (["--gpu", "t4", "--gpu-memory", "16GiB"], "either --gpu or --gpu-memory"),
+    (["--gpu-memory", "lots"], "cannot read GPU memory"),
+    (["--framework", "jax"], "unknown framework"),
+])
+def test_bad_device_input(capsys, tiny_gpt2, args, message):
+    code, _, err = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", *args)
+    assert code == 2 and len(err.strip().splitlines()) == 1 and message in err
+
+
+def test_tensorflow_is_explained(capsys, tiny_gpt2):
+    code, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--framework",
+                           "tensorflow", "--json")
+    assert code == 0 and any("memory growth" in n for n in json.loads(out)["notes"])
+
+
+def test_gpus_command_json(capsys):
+    code, out, _ = run_cli(capsys, "gpus", "--json")
+    rows = json.loads(out)
+    assert code == 0 and {"name", "total_bytes", "arch"} <= set(rows[0])
