@@ -58,10 +58,17 @@ class CpuPolicy:
 
 
 class CudaPolicy(CpuPolicy):
-    """What a CUDA GPU does differently: foreach optimizers by default, the optimizer's
-    ``step`` counters kept on the host."""
+    """What a CUDA GPU does differently: CUDA's autocast op lists and weight-cast cache,
+    foreach optimizers by default, the optimizer's ``step`` counters kept on the host."""
 
     name = "cuda"
+
+    def autocast(self, recipe: Recipe) -> contextlib.AbstractContextManager:
+        if not recipe.uses_autocast:
+            return contextlib.nullcontext()
+        from vramplan.trace.cuda_autocast import cuda_autocast
+
+        return cuda_autocast(_dtype(recipe.compute_dtype_name))
 
     def optimizer_defaults(self) -> dict:
         return {"foreach": True}

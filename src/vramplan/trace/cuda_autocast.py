@@ -1,0 +1,162 @@
+"""CUDA's autocast rules, applied to the CPU tensors the tracer runs.
+
+``torch.autocast("cpu")`` follows the CPU's op lists, which differ from CUDA's: on the CPU
+``layer_norm``, ``softmax`` and ``sum`` run in the input's half precision, where CUDA runs
+them in fp32 (PyTorch ``aten/src/ATen/autocast_mode.cpp``, ``TORCH_LIBRARY_IMPL(aten,
+AutocastCUDA, m)``). While tracing, every op the installed PyTorch registers for
+``AutocastCUDA`` gets a Python kernel on ``AutocastCPU`` applying CUDA's policy, and
+every op only the CPU list casts falls through. Parameters cast to half precision are
+cached once per autocast region, as CUDA's ``cached_cast`` does::
+
+    with cuda_autocast(torch.bfloat16):
+        logits = model(ids)          # layer_norm and softmax come out in fp32
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from functools import cache
+
+import torch
+from torch.utils._pytree import tree_map
+
+# Policies by op base name, from autocast_mode.cpp (AutocastCUDA). Ops the installed
+# PyTorch registers for AutocastCUDA but that are not named here run in fp32 (the newer
+# entries, rms_norm and the upsample family, are fp32 ops).
+LOWER_PRECISION = frozenset({
+    "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
+    "conv_transpose2d", "conv_transpose3d", "convolution", "cudnn_convolution",
+    "cudnn_convolution_transpose", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm",
+    "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul",
+    "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell",
+    "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention",
+    "scaled_dot_product_attention", "_cudnn_rnn", "lstm", "gru",
+})
+FP32_SET_OPT_DTYPE = frozenset({
+    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm",
+    "linalg_matrix_norm", "sum",
+})
+PROMOTE = frozenset({
+    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put",
+    "tensordot", "scatter_add", "vdot",
+})
+BANNED = frozenset({"binary_cross_entropy"})
+
+
+def policy_of(op_name: str) -> str:
+    """``lower``, ``fp32``, ``fp32_set_opt_dtype``, ``promote`` or ``banned``.
+
+    >>> policy_of("aten::layer_norm"), policy_of("aten::softmax.int"), policy_of("aten::mm")
+    ('fp32', 'fp32_set_opt_dtype', 'lower')
+    """
+    base = op_name.removeprefix("aten::").split(".")[0]
+    if base in LOWER_PRECISION:
+        return "lower"
+    if base in FP32_SET_OPT_DTYPE:
+        return "fp32_set_opt_dtype"
+    if base in PROMOTE:
+        return "promote"
+    if base in BANNED:
+        return "banned"
+    return "fp32"
+
+
+@cache
+def registered_ops() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(ops with an AutocastCUDA kernel, ops with only an AutocastCPU kernel) in this torch."""
+    names = torch._C._dispatch_get_all_op_names()
+    has = torch._C._dispatch_has_kernel_for_dispatch_key
+    cuda = tuple(sorted(n for n in names if n.startswith("aten::") and has(n, "AutocastCUDA")))
+    cpu_only = tuple(sorted(n for n in names if n.startswith("aten::")
+                            and has(n, "AutocastCPU") and n not in cuda))
+    return cuda, cpu_only
+
+
+def _eligible(value) -> bool:
+    return (isinstance(value, torch.Tensor) and value.is_floating_point()
+            and value.dtype != torch.float64)
+
+
+class _Caster:
+    """Casts of one autocast region; parameters cast to half precision are cached."""
+
+    def __init__(self, lower: torch.dtype) -> None:
+        self.lower = lower
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def to_lower(self, value):
+        if not _eligible(value) or value.dtype == self.lower:
+            return value
+        cacheable = value.is_leaf and value.requires_grad and value.dtype == torch.float32 \
+            and not value._is_view()
+        if cacheable and id(value) in self.cache:
+            return self.cache[id(value)][1]
+        cast = value.to(self.lower)
+        if cacheable:
+            self.cache[id(value)] = (value, cast)  # keep the source alive: ids stay unique
+        return cast
+
+    @staticmethod
+    def to_fp32(value):
+        return value.to(torch.float32) if _eligible(value) and value.dtype != torch.float32 \
+            else value
+
+
+def _kernel(op, policy: str, caster: _Caster):
+    exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
+    dtype_positions = [i for i, arg in enumerate(op._schema.arguments) if arg.name == "dtype"]
+
+    def run(*args, **kwargs):
+        with torch._C._ExcludeDispatchKeyGuard(exclude):
+            if policy == "lower":
+                args, kwargs = tree_map(caster.to_lower, (args, kwargs))
+            elif policy == "fp32":
+                args, kwargs = tree_map(caster.to_fp32, (args, kwargs))
+            elif policy == "fp32_set_opt_dtype":
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                given = kwargs.get("dtype") is not None or any(
+                    i < len(args) and args[i] is not None for i in dtype_positions)
+                if first is not None and _eligible(first) and not given and dtype_positions:
+                    kwargs = {**kwargs, "dtype": torch.float32}
+            elif policy == "promote":
+                floats = [a.dtype for a in tree_map(lambda v: v, list(args)) if _eligible(a)]
+                widest = torch.float32 if torch.float32 in floats else None
+                if widest is not None:
+                    args, kwargs = tree_map(caster.to_fp32, (args, kwargs))
+            else:
+                raise RuntimeError(
+                    f"{op} is unsafe to autocast on CUDA; use binary_cross_entropy_with_logits")
+            return op(*args, **kwargs)
+
+    return run
+
+
+def _overload(name: str):
+    base, _, overload = name.removeprefix("aten::").partition(".")
+    packet = getattr(torch.ops.aten, base, None)
+    if packet is None:
+        return None
+    return getattr(packet, overload or "default", None)
+
+
+@contextlib.contextmanager
+def cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
+    """Run the block under autocast with CUDA's op policies (on CPU tensors)."""
+    caster = _Caster(dtype)
+    library = torch.library.Library("aten", "IMPL")
+    cuda_ops, cpu_only = registered_ops()
+    try:
+        for name in cuda_ops:
+            op = _overload(name)
+            if op is not None:
+                library.impl(op, _kernel(op, policy_of(name), caster), "AutocastCPU")
+        for name in cpu_only:
+            op = _overload(name)
+            if op is not None:
+                library.impl(op, torch.library.fallthrough_kernel, "AutocastCPU")
+        with torch.autocast("cpu", dtype=dtype):
+            yield
+    finally:
+        caster.cache.clear()
+        library._destroy()
