@@ -159,7 +159,8 @@ def test_estimate_step_traces_the_users_own_loop():
         optimizer.zero_grad()
 
     batch = (torch.randn(16, 256), torch.randint(0, 10, (16,)))
-    est = vramplan.estimate_step(step, model, batch, lambda p: torch.optim.AdamW(p, foreach=True))
+    est = vramplan.estimate_step(step, model, batch, lambda p: torch.optim.AdamW(p, foreach=True),
+                                 target="cpu")
     assert est.recipe.batch_size == 16
     param_bytes = _param_bytes()
     assert est.components["parameters"] == param_bytes

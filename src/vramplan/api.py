@@ -23,7 +23,8 @@ from vramplan.sources import BuiltModel, resolve
 from vramplan.sources.user_code import meta_copy, module_source
 from vramplan.summarize import summarize_trace
 from vramplan.trace.materialize import unique_parameters
-from vramplan.trace.policy import policy_for
+from vramplan.trace.events import Trace
+from vramplan.trace.policy import DevicePolicy, policy_for
 from vramplan.trace.step import trace_step_function, trace_training
 from vramplan.workload import Recipe
 
@@ -48,7 +49,15 @@ def estimate_built(
 ) -> Estimate:
     """Trace a built model with a recipe, summarise the trace into an Estimate and, for the
     ``cuda`` target, replay it through the device model (allocator, runtime, verdict)."""
-    policy = policy_for(target)
+    return trace_and_estimate(built, recipe, target, device)[0]
+
+
+def trace_and_estimate(
+    built: BuiltModel, recipe: Recipe, target: str = "cuda", device: DeviceOptions | None = None,
+    policy: DevicePolicy | None = None,
+) -> tuple[Estimate, Trace]:
+    """``estimate_built`` that also returns the trace (to judge it on other cards)."""
+    policy = policy or policy_for(target)
     trace = trace_training(built, recipe, policy)
     notes = list(trace.notes)
     if recipe.is_training and recipe.optimizer in MODELLED:
@@ -56,7 +65,7 @@ def estimate_built(
     result = estimate_from_trace(trace, model_info(built), recipe, policy.name, notes)
     if policy.name == "cuda":
         result = apply_device(result, trace, device or DeviceOptions())
-    return result
+    return result, trace
 
 
 def device_options(
@@ -86,7 +95,12 @@ def estimate_from_trace(
         top_modules=summary.top_modules,
         timeline=summary.timeline,
         notes=tuple(notes),
-        details={"target": target, "traced_events": trace.event_count},
+        details={"target": target, "traced_events": trace.event_count,
+                 "input_bytes": sum(a.nbytes for a in trace.allocations
+                                    if a.category == "inputs"),
+                 "optimizer_state_bytes": sum(a.nbytes for a in trace.allocations
+                                              if a.category == "optimizer_state"
+                                              and a.free_index is None)},
     )
 
 

@@ -76,7 +76,49 @@ class Adam8bitModel(torch.optim.Optimizer):
         return None
 
 
-MODELLED = {"lion": "Lion (one momentum buffer, implemented here)",
+class AdafactorModel(torch.optim.Optimizer):
+    """torch.optim.Adafactor's memory: row and column factors of the second moment for
+    parameters of two or more dimensions (a full one for vectors), in the gradient's dtype,
+    no first moment; one parameter-sized estimate of the second moment at a time.
+
+    (PyTorch's own step reads the step counter with ``.item()``, which fake tensors cannot
+    answer, so the same algorithm is written here.)
+    """
+
+    def __init__(self, params: Iterable[nn.Parameter], lr: float = 1e-2, beta2_decay=-0.8,
+                 eps: float = 1e-3) -> None:
+        super().__init__(params, {"lr": lr, "beta2_decay": beta2_decay, "eps": eps})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                grad, state = p.grad, self.state[p]
+                if not state:
+                    if grad.dim() > 1:
+                        state["row_var"] = grad.new_zeros(grad.shape[:-1]).unsqueeze(-1)
+                        state["col_var"] = grad.new_zeros(grad.shape[:-2] + grad.shape[-1:]
+                                                          ).unsqueeze(-2)
+                    else:
+                        state["variance"] = torch.zeros_like(grad)
+                if grad.dim() > 1:
+                    row, col = state["row_var"], state["col_var"]
+                    row.lerp_(grad.square().mean(dim=-1, keepdim=True), 0.1)
+                    col.lerp_(grad.square().mean(dim=-2, keepdim=True), 0.1)
+                    variance = (row @ col).div_(row.mean(dim=-2, keepdim=True))
+                else:
+                    variance = state["variance"].lerp_(grad.square(), 0.1)
+                update = variance.clamp_(min=group["eps"] ** 2).rsqrt_().mul_(grad)
+                p.add_(update, alpha=-group["lr"])
+        return None
+
+
+MODELLED = {"adafactor": "Adafactor with torch.optim.Adafactor's state layout (row/column "
+                         "second-moment factors), written here because PyTorch's step reads "
+                         "its counter with .item()",
+            "lion": "Lion (one momentum buffer, implemented here)",
             "adam8bit": "8-bit Adam modelled on bitsandbytes' state layout (uint8 states, "
                         "fp32 absmax per 256-element block), not bitsandbytes itself"}
 
@@ -100,7 +142,7 @@ def build_optimizer(name: str, params: list[nn.Parameter], defaults: dict) -> to
     if name == "rmsprop":
         return torch.optim.RMSprop(params, lr=_LR, **foreach)
     if name == "adafactor":
-        return torch.optim.Adafactor(params, lr=_LR, **foreach)
+        return AdafactorModel(params)
     if name == "lion":
         return Lion(params)
     if name == "adam8bit":

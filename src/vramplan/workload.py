@@ -34,6 +34,14 @@ def _choice(value: str, allowed: tuple[str, ...], what: str) -> str:
     return normalised
 
 
+def _checkpointing(value: str | int) -> str:
+    """``none``, ``full``, or a count of leading blocks to recompute (selective)."""
+    text = str(value).strip().lower()
+    if text.isdigit():
+        return "none" if int(text) == 0 else str(int(text))
+    return _choice(text, CHECKPOINTING, "checkpointing (none, full or a block count)")
+
+
 @dataclass(frozen=True)
 class Recipe:
     """Every knob of one training or inference step.
@@ -67,12 +75,17 @@ class Recipe:
             raise UserError(f"gradient accumulation must be a positive integer, got {self.grad_accum}")
         object.__setattr__(self, "precision", _choice(self.precision, PRECISIONS, "precision"))
         object.__setattr__(self, "optimizer", _choice(self.optimizer, OPTIMIZERS, "optimizer"))
-        object.__setattr__(
-            self, "checkpointing", _choice(self.checkpointing, CHECKPOINTING, "checkpointing")
-        )
+        object.__setattr__(self, "checkpointing", _checkpointing(self.checkpointing))
         object.__setattr__(self, "mode", _choice(self.mode, MODES, "mode"))
         if self.mode == "infer":
             object.__setattr__(self, "optimizer", "none")
+
+    @property
+    def checkpoint_blocks(self) -> int | None:
+        """How many leading blocks to recompute: ``None`` for all (``full``), 0 for none."""
+        if self.checkpointing == "full":
+            return None
+        return 0 if self.checkpointing == "none" else int(self.checkpointing)
 
     @property
     def is_training(self) -> bool:

@@ -42,6 +42,7 @@ def _register_commands() -> None:
     from vramplan.cli import estimate_cmd  # noqa: F401
     from vramplan.cli import gpus_cmd  # noqa: F401
     from vramplan.cli import models_cmd  # noqa: F401
+    from vramplan.cli import plan_cmd  # noqa: F401
 
 
 def fail(message: str) -> None:

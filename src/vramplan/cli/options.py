@@ -26,7 +26,8 @@ OptimizerOpt = Annotated[str, typer.Option(
     "--optimizer", "-o",
     help="sgd | momentum | adam | adamw | adagrad | rmsprop | adafactor | lion | adam8bit | none.")]
 CheckpointingOpt = Annotated[str, typer.Option(
-    "--checkpointing", help="none | full (recompute every block's activations in backward).")]
+    "--checkpointing",
+    help="none | full | N (recompute all, or only the first N, repeated blocks in backward).")]
 GradAccum = Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")]
 ModeOpt = Annotated[str, typer.Option("--mode", help="train | infer (no_grad, no optimizer).")]
 TargetOpt = Annotated[str, typer.Option(

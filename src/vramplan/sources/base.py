@@ -32,7 +32,9 @@ class BuiltModel:
     make_batch: Callable[[int, torch.dtype], Batch]
     run: Callable[[nn.Module, Batch, bool], Any]
     default_input_shape: tuple[int, ...] = ()
-    enable_checkpointing: Callable[[nn.Module], None] | None = None
+    enable_checkpointing: Callable[[nn.Module, int | None], int] | None = None
+    """Recompute the first N blocks (all when N is None) in backward; returns the number
+    of checkpointable blocks."""
     notes: list[str] = field(default_factory=list)
 
 

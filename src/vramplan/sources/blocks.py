@@ -33,14 +33,19 @@ def _checkpointed(forward):
     return run
 
 
-def checkpoint_repeated_blocks(model: nn.Module) -> int:
-    """Recompute every repeated block in backward; return how many blocks were wrapped.
-    Falls back to the model's direct children when nothing repeats."""
+def repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's repeated blocks in forward order (its direct children when nothing
+    repeats)."""
     blocks = [child for container in _repeated_block_containers(model) for child in container]
     nested = {id(m) for b in blocks for m in b.modules() if m is not b}
     blocks = [b for b in blocks if id(b) not in nested]
-    if not blocks:
-        blocks = list(model.children())
+    return blocks or list(model.children())
+
+
+def checkpoint_repeated_blocks(model: nn.Module, limit: int | None = None) -> int:
+    """Recompute the repeated blocks (the first ``limit`` of them, or all) in backward;
+    return how many blocks were wrapped."""
+    blocks = repeated_blocks(model)[:limit]
     for block in blocks:
         block.forward = _checkpointed(block.forward)
     return len(blocks)

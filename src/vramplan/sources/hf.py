@@ -152,6 +152,17 @@ def _seq_len(config, recipe: Recipe, label: str) -> int:
     return seq_len
 
 
+def checkpoint_layers(model: nn.Module) -> list[nn.Module]:
+    """The layers transformers can recompute, in forward order."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # transformers < 4.52: layers carry the flag themselves
+        return [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
+                and not any(True for c in m.modules() if c is not m
+                            and hasattr(c, "gradient_checkpointing"))]
+    return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+
+
 def build_hf(name: str, recipe: Recipe) -> BuiltModel:
     """A transformers model on the meta device with a batch that fits its head."""
     transformers = _transformers()
@@ -194,12 +205,17 @@ def build_hf(name: str, recipe: Recipe) -> BuiltModel:
         inputs = {k: v for k, v in batch.items() if k != "labels" or kind == "seq2seq"}
         return module(**inputs)
 
-    def enable_checkpointing(module: nn.Module) -> None:
+    def enable_checkpointing(module: nn.Module, limit: int | None) -> int:
         non_reentrant = {"use_reentrant": False}
         if hasattr(module, "activation_checkpointing_enable"):  # transformers >= 5
             module.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
         else:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
+        layers = checkpoint_layers(module)
+        if limit is not None:  # selective: only the first ``limit`` layers recompute
+            for layer in layers[limit:]:
+                layer.gradient_checkpointing = False
+        return len(layers)
 
     return BuiltModel(
         name=built_name, architecture=type(model).__name__, kind=kind, model=model,

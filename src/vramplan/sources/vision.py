@@ -14,7 +14,7 @@ from torch import nn
 
 from vramplan.errors import UserError
 from vramplan.sources.base import Batch, BuiltModel, image_classifier
-from vramplan.sources.blocks import checkpoint_repeated_blocks
+from vramplan.sources.blocks import checkpoint_repeated_blocks, repeated_blocks
 from vramplan.workload import Recipe
 
 _DEFAULT_SIZES = {"inception_v3": 299}
@@ -90,6 +90,14 @@ def build_torchvision(name: str, recipe: Recipe) -> BuiltModel:
     return built
 
 
+def _timm_checkpointing(model: nn.Module, limit: int | None) -> int:
+    """timm's own switch for all blocks; the first ``limit`` repeated blocks otherwise."""
+    if limit is None and hasattr(model, "set_grad_checkpointing"):
+        model.set_grad_checkpointing(True)
+        return len(repeated_blocks(model))
+    return checkpoint_repeated_blocks(model, limit)
+
+
 def build_timm(name: str, recipe: Recipe) -> BuiltModel:
     """A timm model, no weights (``pretrained=False``)."""
     timm = require_package("timm", "timm")
@@ -103,8 +111,5 @@ def build_timm(name: str, recipe: Recipe) -> BuiltModel:
     if len(shape) != 3:
         raise UserError(f"image models take --input-shape CxHxW, got {shape}")
     built = image_classifier(f"timm:{name}", type(model).__name__, model, shape)
-    if hasattr(model, "set_grad_checkpointing"):
-        built.enable_checkpointing = lambda m: m.set_grad_checkpointing(True)
-    else:
-        built.enable_checkpointing = checkpoint_repeated_blocks
+    built.enable_checkpointing = _timm_checkpointing
     return built

@@ -156,11 +156,11 @@ def prepare_model_for(built: BuiltModel, recipe: Recipe) -> list[str]:
     param_dtype = getattr(torch, recipe.param_dtype_name)
     if param_dtype != torch.float32:
         model.to(param_dtype)
-    if recipe.checkpointing == "full" and recipe.is_training:
+    if recipe.checkpointing != "none" and recipe.is_training:
         if built.enable_checkpointing is None:
             notes.append("checkpointing requested but this model has no blocks to checkpoint")
         else:
-            built.enable_checkpointing(model)
+            built.enable_checkpointing(model, recipe.checkpoint_blocks)
     model.train(recipe.is_training)
     if recipe.grad_accum > MAX_MICRO_STEPS:
         notes.append(

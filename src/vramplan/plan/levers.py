@@ -1,0 +1,212 @@
+"""The levers that cut a step's memory, ranked, and the first plan that fits.
+
+Levers come in the standard order of the literature: mixed precision, activation
+checkpointing, a lighter optimizer, gradient accumulation (keeping the effective batch).
+Every lever's figure is traced, not guessed; its cost is measured where it can be (extra
+FLOPs of recomputation, counted by PyTorch's FlopCounterMode on the fake step)::
+
+    >>> result = plan_levers(bench, Recipe(batch_size=64))     # doctest: +SKIP
+    >>> result.plan.flags                                       # doctest: +SKIP
+    '--precision amp-bf16 --checkpointing 6'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch.utils.flop_counter import FlopCounterMode
+
+from vramplan.api import trace_and_estimate
+from vramplan.estimate import Estimate
+from vramplan.plan.bench import Workbench
+from vramplan.trace.policy import CudaPolicy
+from vramplan.workload import Recipe
+
+ADAM_FAMILY = ("adam", "adamw")
+FLAG_NAMES = {"precision": "--precision", "checkpointing": "--checkpointing",
+              "optimizer": "--optimizer", "batch_size": "--batch-size",
+              "grad_accum": "--grad-accum"}
+
+
+@dataclass(frozen=True)
+class LeverResult:
+    """One lever (or a combination) applied to the baseline recipe."""
+
+    name: str
+    changes: dict
+    estimate: Estimate
+    saved_bytes: int
+    cost: dict
+
+    @property
+    def status(self) -> str:
+        return self.estimate.verdict.status
+
+    @property
+    def flags(self) -> str:
+        return " ".join(f"{FLAG_NAMES[k]} {v}" for k, v in self.changes.items())
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "changes": self.changes, "flags": self.flags,
+                "status": self.status, "saved_bytes": self.saved_bytes, "cost": self.cost,
+                "peak": self.estimate.peak.to_json()}
+
+
+@dataclass(frozen=True)
+class PlanResult:
+    """The baseline, every lever alone, and the first combination that fits."""
+
+    baseline: Estimate
+    levers: tuple[LeverResult, ...]
+    plan: LeverResult | None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def to_json(self) -> dict:
+        return {"schema": "vramplan.plan/1", "estimate": self.baseline.to_json(timeline=False),
+                "levers": [lever.to_json() for lever in self.levers],
+                "plan": self.plan.to_json() if self.plan else None, "notes": list(self.notes)}
+
+
+class _CountingPolicy(CudaPolicy):
+    """The CUDA policy plus a FLOP counter over the whole traced run."""
+
+    def __init__(self) -> None:
+        self.counter = FlopCounterMode(display=False)
+
+    def dispatch_modes(self, recipe: Recipe) -> list:
+        return [*super().dispatch_modes(recipe), self.counter]
+
+
+def step_flops(bench: Workbench, recipe: Recipe) -> int:
+    """FLOPs of the traced run (two iterations) under ``recipe``."""
+    policy = _CountingPolicy()
+    trace_and_estimate(bench.build(bench.model, recipe), recipe, "cuda", bench.device, policy)
+    return policy.counter.get_total_flops()
+
+
+def _mixed_precision(bench: Workbench) -> str:
+    gpu = bench.device.card
+    bf16 = gpu.vendor == "amd" or gpu.arch >= "sm80" and len(gpu.arch) >= 4
+    return "amp-bf16" if bf16 else "amp-fp16"
+
+
+def _candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]]:
+    """(name, recipe changes, cost) of each lever that applies, in the standard order."""
+    found = []
+    if recipe.precision == "fp32":
+        amp = _mixed_precision(bench)
+        risk = ("bf16: no loss scaling needed" if amp == "amp-bf16" else
+                "fp16: needs loss scaling (GradScaler); overflow risk")
+        found.append(("mixed precision", {"precision": amp}, {"precision_risk": risk}))
+    if recipe.checkpointing == "none" and recipe.is_training:
+        found.append(("activation checkpointing", {"checkpointing": "full"}, {}))
+    if recipe.optimizer in ADAM_FAMILY:
+        found.append(("8-bit Adam", {"optimizer": "adam8bit"},
+                      {"note": "bitsandbytes blockwise 8-bit states; Adam-quality updates"}))
+        found.append(("Adafactor", {"optimizer": "adafactor"},
+                      {"note": "factored second moment, no first moment"}))
+    elif recipe.optimizer == "momentum":
+        found.append(("SGD without momentum", {"optimizer": "sgd"},
+                      {"note": "drops the momentum buffer; changes the optimisation"}))
+    return found
+
+
+def _apply(recipe: Recipe, changes: dict) -> Recipe:
+    return recipe.with_changes(**changes)
+
+
+def _accumulate(bench: Workbench, recipe: Recipe, changes: dict) -> dict | None:
+    """The fewest micro-batches k (k divides the batch) that make ``changes`` fit while
+    keeping the effective batch."""
+    batch = recipe.batch_size * recipe.grad_accum
+    for k in range(2, recipe.batch_size + 1):
+        if recipe.batch_size % k:
+            continue
+        trial = {**changes, "batch_size": recipe.batch_size // k, "grad_accum": recipe.grad_accum * k}
+        if bench.fits(_apply(recipe, trial)):
+            assert trial["batch_size"] * trial["grad_accum"] == batch
+            return trial
+    return None
+
+
+def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
+    """With checkpointing in ``changes``: the fewest leading blocks to recompute."""
+    if changes.get("checkpointing") != "full":
+        return changes
+    blocks = bench.build(bench.model, recipe).enable_checkpointing
+    if blocks is None:
+        return changes
+    total = blocks(bench.build(bench.model, recipe).model, None)
+    low, high = 0, total  # high fits (full); find the smallest count that fits
+    while high - low > 1:
+        middle = (low + high) // 2
+        if bench.fits(_apply(recipe, {**changes, "checkpointing": str(middle)})):
+            high = middle
+        else:
+            low = middle
+    return {**changes, "checkpointing": "full" if high == total else str(high)}
+
+
+def _result(bench: Workbench, recipe: Recipe, name: str, changes: dict, cost: dict,
+            baseline: Estimate, base_flops: int | None) -> LeverResult:
+    estimate = bench.estimate(_apply(recipe, changes))
+    cost = dict(cost)
+    if changes.get("checkpointing", "none") != "none" and base_flops:
+        flops = step_flops(bench, _apply(recipe, changes))
+        cost["recompute_fraction"] = round(flops / base_flops - 1.0, 4)
+    if "grad_accum" in changes:
+        cost["micro_steps_per_optimizer_step"] = changes["grad_accum"]
+    saved = baseline.peak.device_total_bytes - estimate.peak.device_total_bytes
+    return LeverResult(name, changes, estimate, saved, cost)
+
+
+def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
+    """Every lever alone, ranked in the standard order, then the first plan that fits."""
+    baseline = bench.estimate(recipe)
+    base_flops = step_flops(bench, recipe) if recipe.is_training else None
+    levers = [_result(bench, recipe, name, changes, cost, baseline, base_flops)
+              for name, changes, cost in _candidates(bench, recipe)]
+    if recipe.is_training and recipe.batch_size > 1:
+        accumulation = _accumulate(bench, recipe, {})
+        if accumulation is None:
+            halves = {"batch_size": max(1, recipe.batch_size // 2),
+                      "grad_accum": recipe.grad_accum * 2} if recipe.batch_size % 2 == 0 else None
+            accumulation = halves
+        if accumulation is not None:
+            levers.append(_result(bench, recipe, "gradient accumulation", accumulation, {},
+                                  baseline, base_flops))
+    notes = ["sharding (ZeRO/FSDP) and CPU offload are not modelled as levers yet"]
+    plan = None if baseline.verdict.status == "fits" else _first_plan(
+        bench, recipe, levers, baseline, base_flops)
+    if baseline.verdict.status != "fits" and plan is None:
+        notes.append("no combination of these levers fits this card at this batch: "
+                     "a larger card, or sharding across GPUs, is needed")
+    return PlanResult(baseline, tuple(levers), plan, tuple(notes))
+
+
+def _first_plan(bench: Workbench, recipe: Recipe, levers: list[LeverResult],
+                baseline: Estimate, base_flops: int | None) -> LeverResult | None:
+    """The smallest set of levers, in the standard order, that fits: a single lever if one
+    does, else growing prefixes (precision, + checkpointing, + optimizer), each tried with
+    gradient accumulation when it does not fit alone; checkpointing is then trimmed to the
+    fewest blocks that still fit."""
+    singles = [lever for lever in levers if lever.name != "Adafactor"]
+    for lever in singles:
+        if lever.status == "fits":
+            changes = _selective(bench, recipe, lever.changes)
+            return _result(bench, recipe, lever.name, changes, lever.cost, baseline, base_flops)
+    changes: dict = {}
+    names: list[str] = []
+    for lever in singles:
+        if lever.name == "gradient accumulation":
+            continue
+        changes = {**changes, **lever.changes}
+        names.append(lever.name)
+        trial = changes if bench.fits(_apply(recipe, changes)) else (
+            _accumulate(bench, recipe, changes) if recipe.batch_size > 1 else None)
+        if trial is not None:
+            trial = _selective(bench, recipe, trial)
+            if "grad_accum" in trial and "gradient accumulation" not in names:
+                names.append("gradient accumulation")
+            return _result(bench, recipe, " + ".join(names), trial, {}, baseline, base_flops)
+    return None

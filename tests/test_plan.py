@@ -1,0 +1,141 @@
+"""Planning: the largest batch that fits, levers that never add memory, plans that
+reproduce through the ordinary flags, and honest answers when nothing fits."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vramplan.api import device_options, estimate
+from vramplan.cli import main
+from vramplan.errors import UserError
+from vramplan.plan.bench import Workbench
+from vramplan.plan.host import HostOptions, host_memory
+from vramplan.plan.levers import plan_levers
+from vramplan.plan.search import bisection_cost, largest_fitting
+from vramplan.workload import Recipe
+
+# The runtime floor (CUDA context, cuBLAS and cuDNN kernels) is about 746 MiB: these cards
+# leave a tiny model room for a batch limit in the tens to hundreds.
+CARD = "900MiB"
+
+
+@pytest.fixture
+def tiny_cnn(tmp_path):
+    path = tmp_path / "cnn.py"
+    path.write_text(
+        "from torch import nn\n"
+        "class Block(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.conv, self.norm = nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32)\n"
+        "    def forward(self, x):\n"
+        "        return nn.functional.relu(self.norm(self.conv(x))) + x\n"
+        "def make():\n"
+        "    return nn.Sequential(\n"
+        "        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),\n"
+        "        nn.Sequential(Block(), Block(), Block(), Block()),\n"
+        "        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))\n"
+    )
+    return f"{path}:make"
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}))
+    return f"hf:{path}"
+
+
+def _bench(model: str, card: str = CARD) -> Workbench:
+    return Workbench(model, device_options(gpu_memory=card))
+
+
+@pytest.mark.parametrize("model,recipe", [
+    ("tiny_cnn", Recipe(batch_size=1, input_shape=(3, 32, 32), optimizer="sgd")),
+    ("tiny_llama", Recipe(batch_size=1, seq_len=64)),
+])
+def test_max_batch_fits_and_one_more_does_not(request, model, recipe):
+    spec = request.getfixturevalue(model)
+    bench = _bench(spec)
+    result = largest_fitting(bench, recipe)
+    assert result.value >= 1
+    fresh = estimate(spec, batch_size=result.value, gpu_memory=CARD, input_shape=recipe.input_shape,
+                     seq_len=recipe.seq_len, optimizer=recipe.optimizer)
+    assert fresh.verdict.status == "fits"
+    over = estimate(spec, batch_size=result.value + 1, gpu_memory=CARD,
+                    input_shape=recipe.input_shape, seq_len=recipe.seq_len,
+                    optimizer=recipe.optimizer)
+    assert over.verdict.status != "fits"
+    assert result.traces <= result.bisection_traces
+
+
+def test_longest_context_for_inference(tiny_llama):
+    bench = _bench(tiny_llama)
+    result = largest_fitting(bench, Recipe(batch_size=4, seq_len=16, mode="infer"), "seq_len",
+                             start=16)
+    assert result.estimate.verdict.status == "fits"
+    assert result.beyond is None or result.beyond.verdict.status != "fits"
+
+
+def test_bisection_cost_counts_doubling_then_halving():
+    assert bisection_cost(1, 1) == 3  # 1, 2 fail -> bracket [1, 2]: one more
+    assert bisection_cost(1, 86) == 14
+
+
+def test_levers_never_add_memory_and_accumulation_keeps_the_batch(tiny_cnn):
+    recipe = Recipe(batch_size=64, input_shape=(3, 32, 32), optimizer="adamw")
+    bench = _bench(tiny_cnn, "850MiB")
+    result = plan_levers(bench, recipe)
+    names = [lever.name for lever in result.levers]
+    assert names[:2] == ["mixed precision", "activation checkpointing"]
+    for lever in result.levers:
+        assert lever.estimate.peak.allocated_bytes <= result.baseline.peak.allocated_bytes, lever
+    accumulation = next(lever for lever in result.levers if lever.name == "gradient accumulation")
+    changes = accumulation.changes
+    assert changes["batch_size"] * changes["grad_accum"] == 64
+    checkpoint = next(lever for lever in result.levers if "checkpointing" in lever.name)
+    assert checkpoint.cost["recompute_fraction"] > 0
+
+
+def test_plan_reproduces_through_ordinary_flags(capsys, tiny_cnn):
+    code = main(["plan", tiny_cnn, "--batch-size", "64", "--input-shape", "3x32x32",
+                 "--gpu-memory", "850MiB", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and data["plan"] is not None
+    plan = data["plan"]
+    assert plan["status"] == "fits"
+    args = ["estimate", tiny_cnn, "--batch-size", "64", "--input-shape", "3x32x32",
+            "--gpu-memory", "850MiB", "--json", *plan["flags"].split()]
+    main(args)
+    again = json.loads(capsys.readouterr().out)
+    assert again["peak"]["device_total_bytes"] == plan["peak"]["device_total_bytes"]
+    assert again["verdict"]["status"] == "fits"
+
+
+def test_nothing_fits_says_so(tiny_cnn):
+    bench = _bench(tiny_cnn, "512MiB")
+    with pytest.raises(UserError, match="does not fit .* even at batch size 1: it needs"):
+        largest_fitting(bench, Recipe(batch_size=1, input_shape=(3, 32, 32)))
+
+
+def test_plan_without_gpu_lists_every_card(capsys, tiny_cnn):
+    code = main(["plan", tiny_cnn, "--batch-size", "4", "--input-shape", "3x16x16", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(data["gpus"]) >= 18
+    assert all(row["status"] == "fits" for row in data["gpus"])
+
+
+def test_host_memory_terms():
+    est = estimate("torchvision:resnet18", batch_size=8, input_shape=(3, 64, 64), target="cpu")
+    batch = 8 * 3 * 64 * 64 * 4 + 8 * 8  # images + int64 labels
+    host = host_memory(est, HostOptions(workers=2, prefetch_factor=2, offload_optimizer=True,
+                                        limit_bytes=1), est.details["optimizer_state_bytes"])
+    assert host.terms["dataloader_batches"] == 4 * batch
+    assert host.terms["pinned_buffers"] == 4 * batch
+    assert host.terms["offloaded_optimizer_state"] == 2 * est.model.parameter_bytes
+    assert host.exceeds_limit
