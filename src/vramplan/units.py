@@ -30,7 +30,7 @@ _BYTE_SUFFIX = {
     "G": 1024**3, "GB": 1000**3, "GIB": 1024**3,
     "T": 1024**4, "TB": 1000**4, "TIB": 1024**4,
 }
-_NUMBER = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
+_NUMBER = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
 
 def format_bytes(n: int, units: Units = "binary", digits: int = 1) -> str:

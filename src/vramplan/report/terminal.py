@@ -40,10 +40,12 @@ def render_estimate(est: Estimate, units: Units = "binary", console: Console | N
     console = console or Console()
     fmt = lambda n: format_bytes(n, units)  # noqa: E731
     peak = est.peak
-    console.print(f"[bold]{est.model.name}[/bold] ({est.model.architecture}, "
-                  f"{est.model.parameters:,} parameters) — {_recipe_line(est)}")
-    console.print(f"Peak allocated: [bold]{fmt(peak.allocated_bytes)}[/bold] "
-                  f"({peak.allocated_bytes:,} bytes) in {peak.phase}, iteration {peak.iteration}")
+    about = ", ".join(filter(None, [est.model.architecture, f"{est.model.parameters:,} parameters"]))
+    console.print(f"[bold]{est.model.name}[/bold] ({about}) — {_recipe_line(est)}")
+    when = f" in {peak.phase}, iteration {peak.iteration}" if est.method == "trace" else ""
+    label = "Peak allocated" if est.method == "trace" else f"Total ({est.method})"
+    console.print(f"{label}: [bold]{fmt(peak.allocated_bytes)}[/bold] "
+                  f"({peak.allocated_bytes:,} bytes){when}")
     if peak.reserved_bytes is not None:
         console.print(f"Peak reserved (caching allocator): {fmt(peak.reserved_bytes)}")
     if peak.device_total_bytes is not None:
