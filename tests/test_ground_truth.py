@@ -1,7 +1,8 @@
 """The traced peak matches a real CPU run of the same step within 1%.
 
-The real run's peak comes from PyTorch's profiler (allocation events of the CPU
-allocator); the trace runs the same steps under fake tensors with the CPU policy.
+The real run (``vramplan.measure``) takes its peak from PyTorch's profiler (allocation
+events of the CPU allocator); the trace runs the same two steps under fake tensors with
+the CPU policy.
 """
 
 from __future__ import annotations
@@ -12,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from cpu_truth import real_cpu_peak
 from vramplan.api import estimate_built
+from vramplan.measure import measure_built
 from vramplan.sources import resolve
 from vramplan.sources.user_code import module_source
 from vramplan.workload import Recipe
@@ -48,7 +49,7 @@ def tiny_vit() -> nn.Module:
 
 def _compare(make_built, recipe: Recipe) -> tuple[int, int]:
     traced = estimate_built(make_built(recipe), recipe, target="cpu").peak.allocated_bytes
-    real = real_cpu_peak(make_built(recipe), recipe)
+    real = measure_built(make_built(recipe), recipe, "cpu", steps=2).allocated_bytes
     return traced, real
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramplan.calibrate import load_profile, profile_for
 from vramplan.device import DeviceOptions, apply_device
 from vramplan.errors import UserError
 from vramplan.estimate import Estimate, ModelInfo
@@ -71,13 +72,17 @@ def trace_and_estimate(
 def device_options(
     gpu: str | None = None, gpu_memory: str | None = None, headroom: float = 0.10,
     alloc_conf: str | None = None, cudnn_benchmark: bool = False, data_parallel: int = 1,
+    profile: str | None = None,
 ) -> DeviceOptions:
-    """Validated device options from names (``gpu="a100"`` or ``gpu_memory="24GiB"``)."""
+    """Validated device options from names (``gpu="a100"`` or ``gpu_memory="24GiB"``); a
+    profile path, or the saved profile of the named card, supplies measured runtime figures."""
     if gpu and gpu_memory:
         raise UserError("give either --gpu or --gpu-memory, not both")
     card = lookup_gpu(gpu) if gpu else gpu_from_memory(gpu_memory) if gpu_memory else None
+    measured = load_profile(profile) if profile else profile_for(card.name) if gpu else None
     return DeviceOptions(gpu=card, headroom=headroom, alloc_conf=alloc_conf,
-                         cudnn_benchmark=cudnn_benchmark, data_parallel=data_parallel)
+                         cudnn_benchmark=cudnn_benchmark, data_parallel=data_parallel,
+                         profile=measured)
 
 
 def estimate_from_trace(

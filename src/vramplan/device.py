@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from vramplan.allocator import AllocatorConfig, Request, replay
+from vramplan.calibrate import DeviceProfile
 from vramplan.errors import UserError
 from vramplan.estimate import Estimate, Verdict
 from vramplan.gpus import GpuSpec, lookup_gpu
@@ -38,6 +39,8 @@ class DeviceOptions:
     alloc_conf: str | None = None
     cudnn_benchmark: bool = False
     data_parallel: int = 1
+    profile: DeviceProfile | None = None
+    """Measured runtime figures (``vramplan calibrate``) that replace the table's."""
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.headroom < 1.0:
@@ -127,7 +130,7 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
     rounded = replace(on_device, allocations=tuple(
         replace(a, nbytes=unlimited.block_sizes.get(a.id, a.nbytes)) for a in on_device.allocations))
     summary = summarize_trace(rounded, trace.module_kinds)
-    outside = outside_allocator(trace, gpu, options.data_parallel)
+    outside = outside_allocator(trace, gpu, options.data_parallel, options.profile)
     stats = unlimited.stats
     device_total = stats.peak_reserved + outside.total
 
@@ -147,6 +150,10 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
     conv = [a.nbytes for a in on_device.allocations if a.op == "cudnn_workspace"]
     runtime = {**outside.to_json(), **workspaces, "cudnn_workspace_largest": max(conv, default=0)}
     notes = list(estimate.notes)
+    if options.profile is not None:
+        notes.append(f"runtime figures from the calibrated profile of {options.profile.gpu} "
+                     f"(driver {options.profile.driver}, CUDA {options.profile.cuda}, "
+                     f"torch {options.profile.torch})")
     if options.gpu is None:
         notes.append(f"no --gpu given: reserved and device totals emulate an {gpu.name} "
                      f"({gpu.arch}) runtime")

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
+from vramplan.calibrate import DeviceProfile
 from vramplan.gpus import GpuSpec
 from vramplan.trace.events import Trace
 
@@ -72,9 +73,14 @@ class OutsideAllocator:
                 "cudnn_kernels": self.cudnn_kernels, "nccl": self.nccl}
 
 
-def outside_allocator(trace: Trace, gpu: GpuSpec, data_parallel: int = 1) -> OutsideAllocator:
-    """The CUDA context (with the kernels the step loads lazily) and NCCL buffers."""
+def outside_allocator(trace: Trace, gpu: GpuSpec, data_parallel: int = 1,
+                      profile: DeviceProfile | None = None) -> OutsideAllocator:
+    """The CUDA context (with the kernels the step loads lazily) and NCCL buffers; a
+    calibrated profile's measured context (kernels included) replaces the table's."""
     table = runtime_table()
+    nccl = table["nccl"]["per_communicator_bytes"] if data_parallel > 1 else 0
+    if profile is not None:
+        return OutsideAllocator(profile.cuda_context_bytes, 0, 0, nccl)
     context = table["cuda_context"]["by_family"].get(
         gpu.family, table["cuda_context"]["default_bytes"])
     matmuls = uses_matmul(trace, "forward") or uses_matmul(trace, "backward")
@@ -82,5 +88,5 @@ def outside_allocator(trace: Trace, gpu: GpuSpec, data_parallel: int = 1) -> Out
         cuda_context=context,
         cublas_kernels=table["kernel_images"]["cublas_bytes"] if matmuls else 0,
         cudnn_kernels=table["kernel_images"]["cudnn_bytes"] if uses_convolution(trace) else 0,
-        nccl=table["nccl"]["per_communicator_bytes"] if data_parallel > 1 else 0,
+        nccl=nccl,
     )

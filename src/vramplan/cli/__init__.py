@@ -40,8 +40,10 @@ EXIT_OOM = 3
 
 def _register_commands() -> None:
     from vramplan.cli import analytic_cmd  # noqa: F401
+    from vramplan.cli import calibrate_cmd  # noqa: F401
     from vramplan.cli import estimate_cmd  # noqa: F401
     from vramplan.cli import gpus_cmd  # noqa: F401
+    from vramplan.cli import measure_cmd  # noqa: F401
     from vramplan.cli import models_cmd  # noqa: F401
     from vramplan.cli import plan_cmd  # noqa: F401
 

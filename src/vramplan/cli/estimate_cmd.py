@@ -23,6 +23,7 @@ from vramplan.cli.options import (
     Model,
     OptimizerOpt,
     PrecisionOpt,
+    ProfileOpt,
     SeqLen,
     TargetOpt,
     UnitsOpt,
@@ -57,6 +58,7 @@ def estimate_command(
     alloc_conf: AllocConfOpt = None,
     cudnn_benchmark: CudnnBenchmarkOpt = False,
     framework: FrameworkOpt = "pytorch",
+    profile: ProfileOpt = None,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
 ) -> int:
@@ -69,7 +71,8 @@ def estimate_command(
         batch_size=batch_size, seq_len=seq_len, input_shape=input_shape, precision=precision,
         optimizer=optimizer, checkpointing=checkpointing, grad_accum=grad_accum, mode=mode,
     )
-    device = device_options(gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark)
+    device = device_options(gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark,
+                            profile=profile)
     result = estimate_built(resolve(model, recipe), recipe, target, device)
     if framework == "tensorflow":
         result = result.with_changes(notes=(*result.notes, TENSORFLOW_NOTE))

@@ -61,3 +61,5 @@ CudnnBenchmarkOpt = Annotated[bool, typer.Option(
     "--cudnn-benchmark", help="Emulate torch.backends.cudnn.benchmark=True.")]
 FrameworkOpt = Annotated[str, typer.Option(
     "--framework", help="pytorch | tensorflow (TensorFlow: explains its whole-card reservation).")]
+ProfileOpt = Annotated[str | None, typer.Option(
+    "--profile", help="A device profile from `vramplan calibrate` (measured runtime figures).")]

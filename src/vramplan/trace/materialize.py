@@ -10,26 +10,27 @@ import torch
 from torch import nn
 
 
-def _fake_like(tensor: torch.Tensor) -> torch.Tensor:
-    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device="cpu")
+def _empty_like(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    return torch.empty_strided(tensor.size(), tensor.stride(), dtype=tensor.dtype, device=device)
 
 
-def materialize(model: nn.Module) -> None:
-    """Replace every meta parameter and buffer with an uninitialised CPU tensor (fake when
-    a FakeTensorMode is active). A parameter shared by two modules stays one parameter."""
+def materialize(model: nn.Module, device: str = "cpu") -> None:
+    """Replace every meta parameter and buffer with an uninitialised tensor on ``device``
+    (fake when a FakeTensorMode is active). A parameter shared by two modules stays one."""
     replaced: dict[int, torch.Tensor] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):
             if param is None:
                 continue
             if id(param) not in replaced:
-                replaced[id(param)] = nn.Parameter(_fake_like(param), requires_grad=param.requires_grad)
+                replaced[id(param)] = nn.Parameter(_empty_like(param, device),
+                                                   requires_grad=param.requires_grad)
             module._parameters[name] = replaced[id(param)]
         for name, buffer in list(module._buffers.items()):
             if buffer is None:
                 continue
             if id(buffer) not in replaced:
-                replaced[id(buffer)] = _fake_like(buffer)
+                replaced[id(buffer)] = _empty_like(buffer, device)
             module._buffers[name] = replaced[id(buffer)]
 
 

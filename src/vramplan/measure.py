@@ -1,0 +1,258 @@
+"""Run the same step for real and measure it: on CUDA, PyTorch's allocator statistics and
+the device's used memory (NVML); on the CPU, the peak of live tensor bytes from PyTorch's
+profiler (its allocation events carry the CPU allocator's sizes) and the process RSS.
+
+The real run builds the model from the same source with random (never downloaded)
+weights and runs the loop the tracer runs (``steps.run_steps``)::
+
+    >>> m = measure_built(resolve("torchvision:resnet18", recipe), recipe, "cpu")  # doctest: +SKIP
+    >>> m.allocated_bytes                                                         # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import resource
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from vramplan.errors import UserError
+from vramplan.optimizers import build_optimizer
+from vramplan.sources.base import BuiltModel
+from vramplan.steps import run_steps
+from vramplan.trace.materialize import materialize, unique_parameters
+from vramplan.trace.policy import CpuPolicy, CudaPolicy
+from vramplan.trace.step import prepare_model_for
+from vramplan.workload import Recipe
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """What a real run used. ``after_step_bytes`` is live tensor bytes after each step."""
+
+    device: str
+    steps: int
+    allocated_bytes: int
+    after_step_bytes: tuple[int, ...]
+    reserved_bytes: int | None = None
+    device_total_bytes: int | None = None
+    rss_bytes: int | None = None
+    oom: dict | None = None
+    snapshot: str | None = None
+    versions: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        data = {"device": self.device, "steps": self.steps,
+                "allocated_bytes": self.allocated_bytes,
+                "after_step_bytes": list(self.after_step_bytes)}
+        for name in ("reserved_bytes", "device_total_bytes", "rss_bytes", "oom", "snapshot"):
+            if getattr(self, name) is not None:
+                data[name] = getattr(self, name)
+        if self.versions:
+            data["versions"] = self.versions
+        return data
+
+
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _initialise(model: torch.nn.Module) -> None:
+    """Random small values: the memory does not depend on them, NaNs are avoided."""
+    with torch.no_grad():
+        for tensor in [*model.parameters(), *model.buffers()]:
+            if tensor.is_floating_point():
+                tensor.uniform_(0.0, 0.02)
+
+
+class _PhaseClock:
+    """Remembers the phase the loop is in and when each step ended."""
+
+    def __init__(self) -> None:
+        self.phase, self.iteration = "setup", 0
+        self.step_ends: list[int] = []
+        self.step_memory: list[int] = []
+
+    def mark(self, phase: str, iteration: int, live: int | None = None) -> None:
+        if phase == "forward" and iteration > self.iteration and self.iteration > 0:
+            self.step_ends.append(time.time_ns())
+            if live is not None:
+                self.step_memory.append(live)
+        self.phase, self.iteration = phase, iteration
+
+
+def _run(built: BuiltModel, recipe: Recipe, device: str, steps: int, clock: _PhaseClock,
+         live: callable) -> None:
+    prepare_model_for(built, recipe)
+    model = built.model
+    policy = CudaPolicy() if device == "cuda" else CpuPolicy()
+    with torch.device(device):
+        materialize(model, device)
+        _initialise(model)
+        params = unique_parameters(model)
+        batch = built.make_batch(recipe.batch_size, getattr(torch, recipe.param_dtype_name))
+    optimizer = None
+    if recipe.is_training:
+        optimizer = build_optimizer(recipe.optimizer, params, policy.optimizer_defaults())
+
+    def autocast():
+        if not recipe.uses_autocast:
+            return contextlib.nullcontext()
+        return torch.autocast(device, dtype=getattr(torch, recipe.compute_dtype_name))
+
+    run_steps(built, model, batch, optimizer, recipe, autocast=autocast, iterations=steps,
+              mark_phase=lambda phase, iteration: clock.mark(phase, iteration, live()))
+    clock.mark("forward", steps + 1, live())
+
+
+def measure_built(built: BuiltModel, recipe: Recipe, device: str | None = None, steps: int = 3,
+                  snapshot: str | None = None) -> Measurement:
+    """Run ``steps`` real steps of ``built`` on ``device`` and measure them."""
+    device = device or default_device()
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"unknown device {device!r}; choose cpu or cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UserError("no CUDA device here: measure with --device cpu")
+    if steps < 1:
+        raise UserError(f"steps must be at least 1, got {steps}")
+    if device == "cuda":
+        return _measure_cuda(built, recipe, steps, snapshot)
+    return _measure_cpu(built, recipe, steps)
+
+
+def _allocation_events(prof) -> list[tuple[int, int]]:
+    from torch._C._profiler import _EventType
+
+    found = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        node = stack.pop()
+        if node.tag == _EventType.Allocation:
+            found.append((node.start_time_ns, node.extra_fields.alloc_size))
+        stack.extend(node.children)
+    return sorted(found)
+
+
+@contextlib.contextmanager
+def _quiet_native_stderr():
+    """The profiler's native library logs start/stop lines straight to file descriptor 2;
+    send them to /dev/null for the duration (Python-level errors are caught by callers)."""
+    import os
+    import sys
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with open(os.devnull, "w") as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def cpu_peak_of(run: callable) -> tuple[int, list[tuple[int, int]]]:
+    """Peak live tensor bytes while ``run()`` executes, from PyTorch's profiler, and the
+    (time, live bytes) series."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU],
+                                         profile_memory=True) as prof:
+        run()
+    live = peak = 0
+    series = []
+    for stamp, size in _allocation_events(prof):
+        live += size
+        peak = max(peak, live)
+        series.append((stamp, live))
+    return peak, series
+
+
+def _measure_cpu(built: BuiltModel, recipe: Recipe, steps: int) -> Measurement:
+    clock = _PhaseClock()
+    oom = None
+
+    def run() -> None:
+        nonlocal oom
+        try:
+            _run(built, recipe, "cpu", steps, clock, lambda: None)
+        except RuntimeError as exc:  # the host ran out of memory: say where
+            oom = {"phase": clock.phase, "step": clock.iteration, "error": str(exc)[:200]}
+
+    peak, series = cpu_peak_of(run)
+    after = []
+    for end in clock.step_ends:
+        before_end = [live for stamp, live in series if stamp <= end]
+        after.append(before_end[-1] if before_end else 0)
+    gc.collect()
+    return Measurement(device="cpu", steps=steps, allocated_bytes=peak,
+                       after_step_bytes=tuple(after), oom=oom,
+                       rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+
+
+def _nvml_used_bytes() -> int | None:
+    """Memory this process holds on the current GPU, as NVML reports it."""
+    try:
+        import os
+
+        import pynvml
+    except ImportError:
+        return None
+    pynvml.nvmlInit()
+    try:
+        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
+            if process.pid == os.getpid() and process.usedGpuMemory:
+                return int(process.usedGpuMemory)
+        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _measure_cuda(built: BuiltModel, recipe: Recipe, steps: int, snapshot: str | None
+                  ) -> Measurement:
+    torch.cuda.init()
+    torch.cuda.reset_peak_memory_stats()
+    if snapshot:
+        torch.cuda.memory._record_memory_history(max_entries=200_000)
+    clock = _PhaseClock()
+    oom = None
+    try:
+        _run(built, recipe, "cuda", steps, clock, torch.cuda.memory_allocated)
+        torch.cuda.synchronize()
+    except torch.cuda.OutOfMemoryError as exc:
+        oom = {"phase": clock.phase, "step": clock.iteration, "error": str(exc).splitlines()[0]}
+    allocated = torch.cuda.max_memory_allocated()
+    reserved = torch.cuda.max_memory_reserved()
+    used = _nvml_used_bytes()
+    if snapshot:
+        torch.cuda.memory._dump_snapshot(snapshot)
+        torch.cuda.memory._record_memory_history(enabled=None)
+    built.model = None
+    gc.collect()
+    torch.cuda.empty_cache()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return Measurement(
+        device=f"cuda:{props.name}", steps=steps, allocated_bytes=allocated,
+        after_step_bytes=tuple(clock.step_memory), reserved_bytes=reserved,
+        device_total_bytes=used, oom=oom, snapshot=snapshot,
+        versions={"gpu": props.name, "total_memory": props.total_memory,
+                  "cuda": torch.version.cuda or "", "torch": torch.__version__,
+                  "driver": _driver_version()},
+    )
+
+
+def _driver_version() -> str:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return str(pynvml.nvmlSystemGetDriverVersion())
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:  # NVML missing or unusable: the version is simply unknown
+        return ""

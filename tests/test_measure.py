@@ -1,0 +1,108 @@
+"""Real runs beside estimates, the leak check, and calibrated device profiles."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vramplan.calibrate import DeviceProfile, load_profile, save_profile
+from vramplan.cli import main
+from vramplan.leak import check_leak
+
+
+def run_cli(capsys, *args):
+    try:
+        code = main(list(args))
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+@pytest.fixture
+def models(tmp_path):
+    path = tmp_path / "nets.py"
+    path.write_text(
+        "from torch import nn\n"
+        "class Leaky(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.fc = nn.Linear(64, 256)\n"
+        "        self.kept = []\n"
+        "    def forward(self, x):\n"
+        "        out = self.fc(x).relu()\n"
+        "        self.kept.append(out)  # keeps every step's output and its graph\n"
+        "        return out\n"
+        "def leaky():\n"
+        "    return Leaky()\n"
+        "def clean():\n"
+        "    return nn.Sequential(nn.Linear(64, 256), nn.ReLU())\n"
+    )
+    return path
+
+
+def test_measure_prints_estimate_beside_measurement(capsys, models):
+    code, out, _ = run_cli(capsys, "measure", f"{models}:clean", "--batch-size", "16",
+                           "--device", "cpu", "--steps", "3", "--json")
+    data = json.loads(out)
+    assert code == 0 and data["measured"]["device"] == "cpu"
+    assert data["estimate"]["schema"] == "vramplan.estimate/1"
+    assert abs(data["errors"]["allocated"]) <= 0.01
+    assert len(data["measured"]["after_step_bytes"]) == 3
+    assert data["leak"]["leaking"] is False
+
+
+def test_leak_check_flags_a_model_that_keeps_its_graphs(capsys, models):
+    code, out, _ = run_cli(capsys, "measure", f"{models}:leaky", "--batch-size", "64",
+                           "--device", "cpu", "--steps", "4", "--json")
+    leak = json.loads(out)["leak"]
+    assert code == 0 and leak["leaking"] is True
+    assert leak["bytes_per_step"] >= 64 * 256 * 4  # at least one kept output per step
+
+
+def test_terminal_output(capsys, models):
+    code, out, _ = run_cli(capsys, "measure", f"{models}:clean", "--device", "cpu")
+    assert code == 0 and "Estimate vs measurement" in out and "no leak" in out
+
+
+def test_check_leak_rules():
+    assert not check_leak((1_000_000, 2_000_000, 2_000_000)).leaking  # step 1 adds state
+    assert check_leak((1_000_000, 2_000_000, 3_000_000, 4_000_000)).leaking
+    assert not check_leak((1_000_000, 2_000_000)).leaking  # too few steps to judge
+
+
+def test_measure_bad_device(capsys, models):
+    code, _, err = run_cli(capsys, "measure", f"{models}:clean", "--device", "tpu")
+    assert code == 2 and "unknown device" in err
+    import torch
+
+    if not torch.cuda.is_available():
+        code, _, err = run_cli(capsys, "measure", f"{models}:clean", "--device", "cuda")
+        assert code == 2 and "no CUDA device" in err
+        code, _, err = run_cli(capsys, "calibrate")
+        assert code == 2 and "needs a CUDA GPU" in err
+
+
+def test_calibrated_profile_replaces_the_runtime_table(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("VRAMPLAN_PROFILE_DIR", str(tmp_path))
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                  "vocab_size": 256, "n_positions": 32, "n_embd": 32,
+                                  "n_layer": 1, "n_head": 2}))
+    code, out, _ = run_cli(capsys, "estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4",
+                           "--json")
+    before = json.loads(out)
+    profile = DeviceProfile(gpu="L4", total_bytes=23034 * 2**20, driver="test", cuda="12.4",
+                            torch="2.5", cuda_context_bytes=1_343 * 2**20,
+                            cublas_workspace_bytes=8519680)
+    path = save_profile(profile)
+    assert load_profile(path) == profile
+    code, out, _ = run_cli(capsys, "estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4",
+                           "--json")
+    after = json.loads(out)
+    assert after["runtime"]["cuda_context"] == 1_343 * 2**20
+    assert after["peak"]["device_total_bytes"] == after["peak"]["reserved_bytes"] + 1_343 * 2**20
+    assert after["peak"]["reserved_bytes"] == before["peak"]["reserved_bytes"]
+    code, _, err = run_cli(capsys, "estimate", f"hf:{config}", "--profile", str(tmp_path / "x"))
+    assert code == 2 and "device profile not found" in err
