@@ -13,7 +13,7 @@ from vramplan.errors import UserError
 from vramplan.estimate import Estimate
 from vramplan.gpus import lookup_gpu
 from vramplan.leak import LeakReport, check_leak
-from vramplan.measure import Measurement, default_device, measure_built
+from vramplan.measure import Measurement, check_device, measure_built
 from vramplan.sources import resolve
 from vramplan.workload import Recipe
 
@@ -64,14 +64,14 @@ def _local_gpu() -> dict:
 def measure_and_compare(model: str, recipe: Recipe, device: str | None = None, steps: int = 3,
                         snapshot: str | None = None, alloc_conf: str | None = None) -> Comparison:
     """Estimate ``model`` for the device it will run on, run it, and compare."""
-    device = device or default_device()
+    device = check_device(device, steps)
     if device == "cuda":
         options = device_options(alloc_conf=alloc_conf, **_local_gpu()) \
             if _has_cuda() else device_options(alloc_conf=alloc_conf)
         estimate = estimate_built(resolve(model, recipe), recipe, "cuda", options)
     else:
         estimate = estimate_built(resolve(model, recipe), recipe, "cpu")
-    measured = measure_built(resolve(model, recipe), recipe, device, steps, snapshot)
+    measured = measure_built(resolve(model, recipe, device), recipe, device, steps, snapshot)
     return Comparison(estimate, measured, errors_of(estimate, measured),
                       check_leak(measured.after_step_bytes))
 

@@ -61,7 +61,7 @@ def default_device() -> str:
 
 
 def _initialise(model: torch.nn.Module) -> None:
-    """Random small values: the memory does not depend on them, NaNs are avoided."""
+    """Random small values for a model that was built on the meta device."""
     with torch.no_grad():
         for tensor in [*model.parameters(), *model.buffers()]:
             if tensor.is_floating_point():
@@ -90,8 +90,9 @@ def _run(built: BuiltModel, recipe: Recipe, device: str, steps: int, clock: _Pha
     model = built.model
     policy = CudaPolicy() if device == "cuda" else CpuPolicy()
     with torch.device(device):
-        materialize(model, device)
-        _initialise(model)
+        if any(p.is_meta for p in model.parameters()):
+            materialize(model, device)
+            _initialise(model)
         params = unique_parameters(model)
         batch = built.make_batch(recipe.batch_size, getattr(torch, recipe.param_dtype_name))
     optimizer = None
@@ -108,9 +109,8 @@ def _run(built: BuiltModel, recipe: Recipe, device: str, steps: int, clock: _Pha
     clock.mark("forward", steps + 1, live())
 
 
-def measure_built(built: BuiltModel, recipe: Recipe, device: str | None = None, steps: int = 3,
-                  snapshot: str | None = None) -> Measurement:
-    """Run ``steps`` real steps of ``built`` on ``device`` and measure them."""
+def check_device(device: str | None, steps: int = 1) -> str:
+    """The device to measure on, validated (a UserError for a bad name or no GPU)."""
     device = device or default_device()
     if device not in ("cpu", "cuda"):
         raise UserError(f"unknown device {device!r}; choose cpu or cuda")
@@ -118,6 +118,13 @@ def measure_built(built: BuiltModel, recipe: Recipe, device: str | None = None, 
         raise UserError("no CUDA device here: measure with --device cpu")
     if steps < 1:
         raise UserError(f"steps must be at least 1, got {steps}")
+    return device
+
+
+def measure_built(built: BuiltModel, recipe: Recipe, device: str | None = None, steps: int = 3,
+                  snapshot: str | None = None) -> Measurement:
+    """Run ``steps`` real steps of ``built`` on ``device`` and measure them."""
+    device = check_device(device, steps)
     if device == "cuda":
         return _measure_cuda(built, recipe, steps, snapshot)
     return _measure_cpu(built, recipe, steps)
@@ -171,9 +178,21 @@ def cpu_peak_of(run: callable) -> tuple[int, list[tuple[int, int]]]:
     return peak, series
 
 
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of a real model's parameters and buffers (each storage once)."""
+    storages = {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if not tensor.is_meta:
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
 def _measure_cpu(built: BuiltModel, recipe: Recipe, steps: int) -> Measurement:
     clock = _PhaseClock()
     oom = None
+    # A model built for real already holds its weights when profiling starts.
+    resident = resident_bytes(built.model)
 
     def run() -> None:
         nonlocal oom
@@ -186,7 +205,8 @@ def _measure_cpu(built: BuiltModel, recipe: Recipe, steps: int) -> Measurement:
     after = []
     for end in clock.step_ends:
         before_end = [live for stamp, live in series if stamp <= end]
-        after.append(before_end[-1] if before_end else 0)
+        after.append(resident + (before_end[-1] if before_end else 0))
+    peak += resident
     gc.collect()
     return Measurement(device="cpu", steps=steps, allocated_bytes=peak,
                        after_step_bytes=tuple(after), oom=oom,

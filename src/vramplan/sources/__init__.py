@@ -13,9 +13,10 @@ from vramplan.workload import Recipe
 PREFIXES = ("torchvision", "timm", "hf")
 
 
-def resolve(spec: str, recipe: Recipe) -> BuiltModel:
+def resolve(spec: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     """``torchvision:NAME``, ``timm:NAME``, ``hf:NAME`` (or ``hf:path/config.json``),
-    ``path/to/file.py:factory`` or ``package.module:factory``."""
+    ``path/to/file.py:factory`` or ``package.module:factory``; built on the meta device
+    (for tracing) or, for a real run, initialised on ``device``."""
     prefix, sep, rest = spec.partition(":")
     if not sep or not rest:
         raise UserError(
@@ -25,18 +26,18 @@ def resolve(spec: str, recipe: Recipe) -> BuiltModel:
     if prefix == "torchvision":
         from vramplan.sources.vision import build_torchvision
 
-        return build_torchvision(rest, recipe)
+        return build_torchvision(rest, recipe, device)
     if prefix == "timm":
         from vramplan.sources.vision import build_timm
 
-        return build_timm(rest, recipe)
+        return build_timm(rest, recipe, device)
     if prefix == "hf":
         from vramplan.sources.hf import build_hf
 
-        return build_hf(rest, recipe)
+        return build_hf(rest, recipe, device)
     from vramplan.sources.user_code import build_from_factory
 
-    return build_from_factory(spec, recipe)
+    return build_from_factory(spec, recipe, device)
 
 
 __all__ = ["BuiltModel", "resolve", "PREFIXES"]

@@ -94,7 +94,8 @@ def _make_config(transformers, name: str, data: dict[str, Any]):
             f"config {name}: model_type {model_type!r} is not in transformers "
             f"{transformers.__version__} (custom code is not run: trust_remote_code stays off)"
         ) from None
-    fields = {k: v for k, v in data.items() if k not in ("model_type", "transformers_version")}
+    fields = {k: v for k, v in data.items()
+              if k not in ("model_type", "transformers_version", "attn_implementation")}
     try:
         return config_class(**fields)
     except (TypeError, ValueError) as exc:
@@ -163,15 +164,16 @@ def checkpoint_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def build_hf(name: str, recipe: Recipe) -> BuiltModel:
+def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     """A transformers model on the meta device with a batch that fits its head."""
     transformers = _transformers()
     label, data = load_config_dict(name)
     config = _make_config(transformers, label, data)
     model_class = _model_class(transformers, config, label)
     try:
-        with torch.device("meta"):
-            model = model_class._from_config(config, attn_implementation="sdpa")
+        with torch.device(device):
+            model = model_class._from_config(
+                config, attn_implementation=data.get("attn_implementation", "sdpa"))
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UserError(f"cannot build {model_class.__name__} from {label}: {exc}") from None
     kind = _kind(model)

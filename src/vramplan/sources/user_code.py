@@ -105,9 +105,10 @@ def generic_loss(output: Any) -> torch.Tensor:
 
 def module_source(
     model: nn.Module, recipe: Recipe, name: str, example_batch: Any = None,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, copy_to_meta: bool = True,
 ) -> BuiltModel:
-    """Wrap an ``nn.Module`` (on any device, or meta) as a ``BuiltModel``."""
+    """Wrap an ``nn.Module`` (on any device, or meta) as a ``BuiltModel``; for tracing, a
+    structural copy on the meta device, for a real run the module itself."""
     if not isinstance(model, nn.Module):
         raise UserError(f"{name} did not return an nn.Module (got {type(model).__name__})")
     first = _first_layer(model)
@@ -133,7 +134,8 @@ def module_source(
         return loss_fn(output, batch) if loss_fn is not None else generic_loss(output)
 
     return BuiltModel(
-        name=name, architecture=type(model).__name__, kind="custom", model=meta_copy(model),
+        name=name, architecture=type(model).__name__, kind="custom",
+        model=meta_copy(model) if copy_to_meta else model,
         make_batch=make_batch, run=run, default_input_shape=shape or (),
         enable_checkpointing=checkpoint_repeated_blocks,
     )
@@ -150,14 +152,14 @@ def meta_copy(model: nn.Module) -> nn.Module:
     return copy.deepcopy(model, memo)
 
 
-def build_from_factory(spec: str, recipe: Recipe) -> BuiltModel:
-    """Import the user's factory and call it on the meta device."""
+def build_from_factory(spec: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
+    """Import the user's factory and call it on the meta device (or ``device``)."""
     factory = _load_factory(spec)
     try:
-        with torch.device("meta"):
+        with torch.device(device):
             model = factory()
     except UserError:
         raise
     except Exception as exc:
         raise UserError(f"factory {spec} raised {type(exc).__name__}: {exc}") from None
-    return module_source(model, recipe, spec)
+    return module_source(model, recipe, spec, copy_to_meta=device == "meta")

@@ -62,7 +62,7 @@ def _segmentation(name: str, model: nn.Module, shape: tuple[int, ...], classes: 
                       default_input_shape=shape)
 
 
-def build_torchvision(name: str, recipe: Recipe) -> BuiltModel:
+def build_torchvision(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     """A torchvision classification or segmentation model, no weights."""
     torchvision = require_package("torchvision", "vision")
     classification = torchvision.models.list_models(module=torchvision.models)
@@ -80,7 +80,7 @@ def build_torchvision(name: str, recipe: Recipe) -> BuiltModel:
     kwargs = {"weights": None}
     if name in segmentation:
         kwargs.update(weights_backbone=None, aux_loss=True)
-    with torch.device("meta"):
+    with torch.device(device):
         model = torchvision.models.get_model(name, **kwargs)
     if name in segmentation:
         built = _segmentation(name, model, shape, model.classifier[-1].out_channels)
@@ -98,13 +98,13 @@ def _timm_checkpointing(model: nn.Module, limit: int | None) -> int:
     return checkpoint_repeated_blocks(model, limit)
 
 
-def build_timm(name: str, recipe: Recipe) -> BuiltModel:
+def build_timm(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     """A timm model, no weights (``pretrained=False``)."""
     timm = require_package("timm", "timm")
     known = timm.list_models()
     if name not in known:
         raise _unknown("timm", name, known)
-    with torch.device("meta"):
+    with torch.device(device):
         model = timm.create_model(name, pretrained=False)
     default = tuple(getattr(model, "default_cfg", {}).get("input_size", (3, 224, 224)))
     shape = recipe.input_shape or default

@@ -1,0 +1,1 @@
+"""The accuracy study: estimates against measurements of the same steps."""
