@@ -17,11 +17,13 @@ from vramplan.cli.options import (
     GpuOpt,
     GradAccum,
     HeadroomOpt,
+    HtmlOpt,
     InputShape,
     JsonOpt,
     ModeOpt,
     Model,
     OptimizerOpt,
+    PlotOpt,
     PrecisionOpt,
     ProfileOpt,
     SeqLen,
@@ -30,6 +32,7 @@ from vramplan.cli.options import (
     recipe_from_options,
 )
 from vramplan.errors import UserError
+from vramplan.report.outputs import batch_curve_for, write_reports
 from vramplan.report.render import emit
 from vramplan.sources import resolve
 
@@ -59,6 +62,8 @@ def estimate_command(
     cudnn_benchmark: CudnnBenchmarkOpt = False,
     framework: FrameworkOpt = "pytorch",
     profile: ProfileOpt = None,
+    html: HtmlOpt = None,
+    plot: PlotOpt = None,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
 ) -> int:
@@ -76,4 +81,12 @@ def estimate_command(
     result = estimate_built(resolve(model, recipe), recipe, target, device)
     if framework == "tensorflow":
         result = result.with_changes(notes=(*result.notes, TENSORFLOW_NOTE))
+    if html:
+        def at(batch: int):
+            changed = recipe.with_changes(batch_size=batch)
+            return estimate_built(resolve(model, changed), changed, target, device)
+
+        curve = batch_curve_for(result, at)
+    write_reports(result, html=html, plot=plot, units=units,
+                  batch_curve=curve if html else None)
     return emit(result, json_output=json_output, units=units)

@@ -15,10 +15,11 @@ from rich.table import Table
 
 from vramplan.cli import app
 from vramplan.cli.options import (
-    AllocConfOpt, BatchSize, CheckpointingOpt, GradAccum, InputShape, JsonOpt, ModeOpt, Model,
-    OptimizerOpt, PrecisionOpt, SeqLen, UnitsOpt, recipe_from_options,
+    AllocConfOpt, BatchSize, CheckpointingOpt, GradAccum, HtmlOpt, InputShape, JsonOpt, ModeOpt,
+    Model, OptimizerOpt, PlotOpt, PrecisionOpt, SeqLen, UnitsOpt, recipe_from_options,
 )
 from vramplan.compare import Comparison, measure_and_compare
+from vramplan.report.outputs import write_reports
 from vramplan.report.render import check_units
 from vramplan.units import format_bytes
 
@@ -44,6 +45,8 @@ def measure_command(
     device: DeviceOpt = None,
     snapshot: SnapshotOpt = None,
     alloc_conf: AllocConfOpt = None,
+    html: HtmlOpt = None,
+    plot: PlotOpt = None,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
 ) -> int:
@@ -54,12 +57,29 @@ def measure_command(
         optimizer=optimizer, checkpointing=checkpointing, grad_accum=grad_accum, mode=mode,
     )
     result = measure_and_compare(model, recipe, device, steps, snapshot, alloc_conf)
+    if html or plot:
+        write_reports(result.estimate, html=html, plot=plot, units=units,
+                      measurement=comparison_rows(result, units))
     if json_output:
         json.dump(result.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         render_comparison(result, units)
     return 0
+
+
+def comparison_rows(result: Comparison, units: str) -> list[list[str]]:
+    """Header and rows of estimate vs measurement, for the HTML report."""
+    peak, measured = result.estimate.peak, result.measured
+    rows = [["figure", "estimate", "measured", "error"]]
+    for name, estimate, real in (("allocated", peak.allocated_bytes, measured.allocated_bytes),
+                                 ("reserved", peak.reserved_bytes, measured.reserved_bytes),
+                                 ("device_total", peak.device_total_bytes,
+                                  measured.device_total_bytes)):
+        if real is not None and estimate is not None:
+            rows.append([name, format_bytes(estimate, units), format_bytes(real, units),
+                         f"{result.errors.get(name, 0.0):+.1%}"])
+    return rows
 
 
 def render_comparison(result: Comparison, units: str) -> None:

@@ -63,3 +63,7 @@ FrameworkOpt = Annotated[str, typer.Option(
     "--framework", help="pytorch | tensorflow (TensorFlow: explains its whole-card reservation).")]
 ProfileOpt = Annotated[str | None, typer.Option(
     "--profile", help="A device profile from `vramplan calibrate` (measured runtime figures).")]
+HtmlOpt = Annotated[str | None, typer.Option(
+    "--html", help="Also write a self-contained HTML report to this path.")]
+PlotOpt = Annotated[str | None, typer.Option(
+    "--plot", help="Also write a PNG of the breakdown and timeline (needs matplotlib).")]

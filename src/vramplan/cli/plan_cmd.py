@@ -18,8 +18,8 @@ from vramplan.api import device_options
 from vramplan.cli import app
 from vramplan.cli.options import (
     AllocConfOpt, BatchSize, CheckpointingOpt, GpuMemoryOpt, GpuOpt, GradAccum, HeadroomOpt,
-    InputShape, JsonOpt, ModeOpt, Model, OptimizerOpt, PrecisionOpt, SeqLen, UnitsOpt,
-    recipe_from_options,
+    HtmlOpt, InputShape, JsonOpt, ModeOpt, Model, OptimizerOpt, PlotOpt, PrecisionOpt, SeqLen,
+    UnitsOpt, recipe_from_options,
 )
 from vramplan.errors import UserError
 from vramplan.gpus import catalog
@@ -28,6 +28,7 @@ from vramplan.plan.fleet import gpus_that_fit
 from vramplan.plan.host import HostOptions, host_memory
 from vramplan.plan.levers import plan_levers
 from vramplan.plan.search import largest_fitting
+from vramplan.report.outputs import batch_curve_for, write_reports
 from vramplan.report.render import check_units
 from vramplan.units import format_bytes, parse_bytes
 
@@ -109,6 +110,8 @@ def plan_command(
     host_memory_limit: HostMemoryOpt = None,
     workers: WorkersOpt = 4,
     offload_optimizer: OffloadOpt = False,
+    html: HtmlOpt = None,
+    plot: PlotOpt = None,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
 ) -> int:
@@ -129,6 +132,7 @@ def plan_command(
     host = host_memory(result.baseline, HostOptions(workers=workers, limit_bytes=limit,
                                                     offload_optimizer=offload_optimizer),
                        result.baseline.details.get("optimizer_state_bytes"))
+    _write_plan_reports(result, bench, recipe, html, plot, units)
     if json_output:
         data = result.to_json()
         data["gpus"] = [row.to_json() for row in fleet]
@@ -139,6 +143,23 @@ def plan_command(
         return 0
     _render(result, fleet, host, all_gpus, units, bench.traces)
     return 0
+
+
+def _write_plan_reports(result, bench, recipe, html, plot, units: str) -> None:
+    if not html and not plot:
+        return
+    fmt = lambda n: format_bytes(n, units)  # noqa: E731
+    rows = [["lever", "flags", "device total", "saves", "status"]]
+    rows += [[lever.name, lever.flags, fmt(lever.estimate.peak.device_total_bytes),
+              fmt(lever.saved_bytes), lever.status.upper()] for lever in result.levers]
+    if result.plan is not None:
+        rows.append([f"plan: {result.plan.name}", result.plan.flags,
+                     fmt(result.plan.estimate.peak.device_total_bytes), fmt(result.plan.saved_bytes),
+                     result.plan.status.upper()])
+    curve = batch_curve_for(result.baseline, lambda b: bench.estimate(
+        recipe.with_changes(batch_size=b))) if html else None
+    write_reports(result.baseline, html=html, plot=plot, units=units, batch_curve=curve,
+                  plan=rows)
 
 
 def _render(result, fleet, host, all_gpus: bool, units: str, traces: int) -> None:

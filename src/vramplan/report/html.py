@@ -81,7 +81,8 @@ def _peak_bar(est: Estimate, units: Units) -> str:
         parts.append(f'<line class="mark" data-mark="{_e(name)}" data-bytes="{value}" x1="{mx:.1f}"'
                      f' x2="{mx:.1f}" y1="{y - 12}" y2="{y + h + 12}" stroke="#222"'
                      f' stroke-width="2"{dash}/>')
-        parts.append(f'<text x="{mx:.1f}" y="{y + h + 28 + 14 * i}" text-anchor="middle">'
+        anchor = "end" if mx > left + 0.75 * bar_w else "start" if mx < left + 80 else "middle"
+        parts.append(f'<text x="{mx:.1f}" y="{y + h + 28 + 14 * i}" text-anchor="{anchor}">'
                      f'{_e(name)} {_e(format_bytes(value, units))}</text>')
     for tick in _ticks(top):
         tx = left + tick * scale

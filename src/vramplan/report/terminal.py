@@ -7,8 +7,11 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from vramplan.estimate import COMPONENTS, Estimate
+from vramplan.report.bars import component_bar
+from vramplan.report.palette import COLOURS
 from vramplan.units import Units, format_bytes, unit_name
 
 _LABELS = {
@@ -51,14 +54,17 @@ def render_estimate(est: Estimate, units: Units = "binary", console: Console | N
     if peak.device_total_bytes is not None:
         console.print(f"Device total (what nvidia-smi shows): {fmt(peak.device_total_bytes)}")
 
+    console.print(component_bar(est.components))
     table = Table(title="Breakdown at the peak", title_justify="left")
     table.add_column("component")
+    table.add_column("", width=2)
     table.add_column("bytes", justify="right")
     table.add_column("size", justify="right")
     table.add_column("share", justify="right")
     for name in COMPONENTS:
         value = est.components.get(name, 0)
-        table.add_row(_LABELS[name], f"{value:,}", fmt(value), _share(value, peak.allocated_bytes))
+        table.add_row(_LABELS[name], Text("██", style=COLOURS[name]), f"{value:,}", fmt(value),
+                      _share(value, peak.allocated_bytes))
     console.print(table)
 
     summary = est.summary

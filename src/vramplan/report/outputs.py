@@ -1,0 +1,45 @@
+"""Write the optional report files a command was asked for (``--html``, ``--plot``).
+
+    write_reports(estimate, html="report.html", plot=None, units="binary")
+"""
+
+from __future__ import annotations
+
+import shlex
+import sys
+from pathlib import Path
+
+from vramplan.errors import UserError
+from vramplan.estimate import Estimate
+from vramplan.report.html import BatchCurve, CurvePoint, render_html
+
+
+def batch_curve_for(estimate: Estimate, estimate_at) -> BatchCurve:
+    """Estimates at half, once and twice the batch (``estimate_at(batch)`` traces one)."""
+    batch = estimate.recipe.batch_size
+    sizes = sorted({max(1, batch // 2), batch, 2 * batch})
+    points = []
+    for size in sizes:
+        at = estimate if size == batch else estimate_at(size)
+        points.append(CurvePoint(size, at.peak.allocated_bytes,
+                                 at.peak.device_total_bytes or at.peak.allocated_bytes))
+    capacities = {estimate.verdict.gpu: estimate.verdict.usable_bytes} if estimate.verdict else {}
+    return BatchCurve(tuple(points), capacities)
+
+
+def write_reports(estimate: Estimate, *, html: str | None, plot: str | None, units: str,
+                  batch_curve: BatchCurve | None = None, plan: list[list[str]] | None = None,
+                  measurement: list[list[str]] | None = None) -> None:
+    """Write the HTML report and/or the PNG; never touch anything else."""
+    if html:
+        command = shlex.join(["vramplan", *sys.argv[1:]])
+        text = render_html(estimate, units=units, batch_curve=batch_curve, plan=plan,
+                           measurement=measurement, command=command)
+        try:
+            Path(html).write_text(text, encoding="utf-8")
+        except OSError as exc:
+            raise UserError(f"cannot write {html}: {exc.strerror}") from None
+    if plot:
+        from vramplan.report.plot import write_plot
+
+        write_plot(estimate, plot, units)
