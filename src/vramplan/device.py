@@ -106,16 +106,20 @@ def requests_of(trace: Trace) -> list[Request]:
     return [Request(e.allocation.id, e.allocation.nbytes, e.is_alloc) for e in trace.events()]
 
 
-def _verdict(gpu: GpuSpec, headroom: float, device_total: int, oom: bool) -> Verdict:
-    usable = int(gpu.total_bytes * (1.0 - headroom))
-    if oom or device_total > gpu.total_bytes:
-        status = "oom" if oom else "tight"
+def judge(gpu: str, capacity: int, headroom: float, device_total: int,
+          allocator_oom: bool | None = None) -> Verdict:
+    """FITS under the headroom line, TIGHT in the headroom, OOM past the card — or when
+    the allocator simulation could not serve the step within the card (``allocator_oom``;
+    ``None`` when it was not run, then the device total alone decides)."""
+    usable = int(capacity * (1.0 - headroom))
+    if allocator_oom or (allocator_oom is None and device_total > capacity):
+        status = "oom"
     elif device_total > usable:
         status = "tight"
     else:
         status = "fits"
-    return Verdict(gpu=gpu.name, capacity_bytes=gpu.total_bytes, headroom=headroom,
-                   status=status, compared_bytes=device_total, usable_bytes=usable)
+    return Verdict(gpu=gpu, capacity_bytes=capacity, headroom=headroom, status=status,
+                   compared_bytes=device_total, usable_bytes=usable)
 
 
 def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Estimate:
@@ -188,7 +192,8 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
         top_modules=summary.top_modules,
         timeline=summary.timeline,
         runtime=runtime,
-        verdict=_verdict(gpu, options.headroom, device_total, oom) if options.gpu else None,
+        verdict=judge(gpu.name, gpu.total_bytes, options.headroom, device_total, oom)
+        if options.gpu else None,
         notes=tuple(notes),
         details=details,
     )

@@ -86,7 +86,6 @@ class _PhaseClock:
 
 def _run(built: BuiltModel, recipe: Recipe, device: str, steps: int, clock: _PhaseClock,
          live: callable) -> None:
-    prepare_model_for(built, recipe)
     model = built.model
     policy = CudaPolicy() if device == "cuda" else CpuPolicy()
     with torch.device(device):
@@ -125,6 +124,7 @@ def measure_built(built: BuiltModel, recipe: Recipe, device: str | None = None, 
                   snapshot: str | None = None) -> Measurement:
     """Run ``steps`` real steps of ``built`` on ``device`` and measure them."""
     device = check_device(device, steps)
+    prepare_model_for(built, recipe)  # dtype and checkpointing, before anything is measured
     if device == "cuda":
         return _measure_cuda(built, recipe, steps, snapshot)
     return _measure_cpu(built, recipe, steps)

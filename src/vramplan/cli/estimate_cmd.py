@@ -9,6 +9,18 @@ from vramplan.api import device_options, estimate_built
 from vramplan.cli import app
 from vramplan.cli.options import (
     AllocConfOpt,
+    DpOpt,
+    FsdpOpt,
+    MicrobatchesOpt,
+    OffloadOptimizerOpt,
+    OffloadParamsOpt,
+    PpOpt,
+    ReshardOpt,
+    ShardOpt,
+    SpOpt,
+    TpOpt,
+    WorldSizeOpt,
+    ZeroOpt,
     BatchSize,
     CheckpointingOpt,
     CudnnBenchmarkOpt,
@@ -31,6 +43,9 @@ from vramplan.cli.options import (
     UnitsOpt,
     recipe_from_options,
 )
+from vramplan.distributed.facts import facts_of
+from vramplan.distributed.layout import ParallelLayout, check_layout, per_rank
+from vramplan.distributed.options import layout_from_flags
 from vramplan.errors import UserError
 from vramplan.report.outputs import batch_curve_for, write_reports
 from vramplan.report.render import emit
@@ -64,6 +79,18 @@ def estimate_command(
     profile: ProfileOpt = None,
     html: HtmlOpt = None,
     plot: PlotOpt = None,
+    fsdp: FsdpOpt = None,
+    world_size: WorldSizeOpt = None,
+    shard: ShardOpt = "full",
+    reshard_after_forward: ReshardOpt = True,
+    zero: ZeroOpt = None,
+    dp: DpOpt = None,
+    offload_optimizer: OffloadOptimizerOpt = False,
+    offload_params: OffloadParamsOpt = False,
+    tp: TpOpt = 1,
+    sp: SpOpt = False,
+    pp: PpOpt = 1,
+    microbatches: MicrobatchesOpt = 1,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
 ) -> int:
@@ -76,9 +103,19 @@ def estimate_command(
         batch_size=batch_size, seq_len=seq_len, input_shape=input_shape, precision=precision,
         optimizer=optimizer, checkpointing=checkpointing, grad_accum=grad_accum, mode=mode,
     )
+    layout = layout_from_flags(
+        fsdp=fsdp, world_size=world_size, shard=shard, reshard_after_forward=reshard_after_forward,
+        zero=zero, dp=dp, offload_optimizer=offload_optimizer, offload_params=offload_params,
+        tp=tp, sp=sp, pp=pp, microbatches=microbatches)
     device = device_options(gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark,
                             profile=profile)
-    result = estimate_built(resolve(model, recipe), recipe, target, device)
+    built = resolve(model, recipe)
+    facts = facts_of(built) if layout != ParallelLayout() else None
+    if facts is not None:
+        check_layout(layout, facts)
+    result = estimate_built(built, recipe, target, device)
+    if facts is not None:
+        result = per_rank(result, layout, facts)
     if framework == "tensorflow":
         result = result.with_changes(notes=(*result.notes, TENSORFLOW_NOTE))
     if html:

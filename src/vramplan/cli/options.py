@@ -67,3 +67,22 @@ HtmlOpt = Annotated[str | None, typer.Option(
     "--html", help="Also write a self-contained HTML report to this path.")]
 PlotOpt = Annotated[str | None, typer.Option(
     "--plot", help="Also write a PNG of the breakdown and timeline (needs matplotlib).")]
+FsdpOpt = Annotated[int | None, typer.Option(
+    "--fsdp", help="FSDP full sharding over N data-parallel GPUs (per-rank figures).")]
+WorldSizeOpt = Annotated[int | None, typer.Option(
+    "--world-size", help="Data-parallel GPUs, with --shard.")]
+ShardOpt = Annotated[str, typer.Option("--shard", help="full | grad-op | none (with --world-size).")]
+ReshardOpt = Annotated[bool, typer.Option(
+    "--reshard-after-forward/--no-reshard-after-forward",
+    help="FSDP: free gathered parameters after forward (default) or keep them to backward.")]
+ZeroOpt = Annotated[int | None, typer.Option("--zero", help="DeepSpeed ZeRO stage 1, 2 or 3.")]
+DpOpt = Annotated[int | None, typer.Option("--dp", help="Data-parallel GPUs for --zero.")]
+OffloadOptimizerOpt = Annotated[bool, typer.Option(
+    "--offload-optimizer", help="ZeRO: optimizer state on the CPU.")]
+OffloadParamsOpt = Annotated[bool, typer.Option(
+    "--offload-params", help="ZeRO-3: parameters on the CPU.")]
+TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (Megatron).")]
+SpOpt = Annotated[bool, typer.Option("--sp", help="Sequence parallelism with --tp.")]
+PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline-parallel stages (1F1B).")]
+MicrobatchesOpt = Annotated[int, typer.Option(
+    "--microbatches", help="Micro-batches per step with --pp (the batch size is per micro-batch).")]

@@ -21,6 +21,8 @@ from vramplan.cli.options import (
     HtmlOpt, InputShape, JsonOpt, ModeOpt, Model, OptimizerOpt, PlotOpt, PrecisionOpt, SeqLen,
     UnitsOpt, recipe_from_options,
 )
+from vramplan.distributed.facts import facts_of
+from vramplan.distributed.needed import gpus_needed
 from vramplan.errors import UserError
 from vramplan.gpus import catalog
 from vramplan.plan.bench import Workbench
@@ -28,6 +30,7 @@ from vramplan.plan.fleet import gpus_that_fit
 from vramplan.plan.host import HostOptions, host_memory
 from vramplan.plan.levers import plan_levers
 from vramplan.plan.search import largest_fitting
+from vramplan.sources import resolve
 from vramplan.report.outputs import batch_curve_for, write_reports
 from vramplan.report.render import check_units
 from vramplan.units import format_bytes, parse_bytes
@@ -126,6 +129,9 @@ def plan_command(
     card = "A100-80GB" if all_gpus else gpu
     bench = Workbench(model, device_options(card, gpu_memory, headroom, alloc_conf))
     result = plan_levers(bench, recipe)
+    needed = None
+    if not all_gpus and result.baseline.verdict.status != "fits" and result.plan is None:
+        needed = gpus_needed(result.baseline, facts_of(resolve(model, recipe)))
     options = [*result.levers, *([result.plan] if result.plan else [])]
     fleet = gpus_that_fit(bench, recipe, options, catalog() if all_gpus else (bench.device.card,))
     limit = parse_bytes(host_memory_limit, "host memory") if host_memory_limit else None
@@ -138,10 +144,16 @@ def plan_command(
         data["gpus"] = [row.to_json() for row in fleet]
         data["host"] = host.to_json()
         data["traces"] = bench.traces
+        data["gpus_needed"] = needed.to_json() if needed else None
         json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     _render(result, fleet, host, all_gpus, units, bench.traces)
+    if needed is not None:
+        rank = needed.estimate.peak.device_total_bytes
+        Console().print(f"Needs [bold]{needed.gpus} x {result.baseline.verdict.gpu}[/bold] with "
+                        f"[bold]{needed.layout.describe()}[/bold]: "
+                        f"{format_bytes(rank, units)} per GPU, {needed.estimate.verdict.status.upper()}")
     return 0
 
 

@@ -1,0 +1,1 @@
+"""Speed studies."""

@@ -1,0 +1,173 @@
+"""Per-rank memory of a traced step under a parallel layout.
+
+The single-GPU trace at the per-GPU batch gives the working set (activations,
+temporaries, the input batch, the allocator's fragmentation); the layout decides the model
+states each rank holds and how activations divide::
+
+    >>> layout = ParallelLayout(shard="zero3", data_parallel=8)
+    >>> est = per_rank(estimate, layout, model_facts)        # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from vramplan.distributed.zero import (
+    bucket_bytes,
+    zero1_model_states,
+    zero2_model_states,
+    zero3_model_states,
+)
+from vramplan.errors import UserError
+from vramplan.estimate import Estimate, Peak
+from vramplan.runtime import runtime_table
+
+SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op")
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What the layout needs to know about the model."""
+
+    parameters: int
+    largest_block_parameters: int
+    layers: int
+    heads: int | None = None
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """Data-parallel sharding, tensor and pipeline parallelism, offload."""
+
+    shard: str = "none"
+    data_parallel: int = 1
+    tensor_parallel: int = 1
+    sequence_parallel: bool = False
+    pipeline_parallel: int = 1
+    microbatches: int = 1
+    offload_optimizer: bool = False
+    offload_params: bool = False
+
+    def __post_init__(self) -> None:
+        if self.shard not in SHARDS:
+            raise UserError(f"unknown sharding {self.shard!r}; choose {', '.join(SHARDS)}")
+        for name in ("data_parallel", "tensor_parallel", "pipeline_parallel", "microbatches"):
+            if getattr(self, name) < 1:
+                raise UserError(f"{name.replace('_', ' ')} must be at least 1")
+        if self.offload_params and self.shard != "zero3":
+            raise UserError("parameter offload needs ZeRO stage 3 (--zero 3)")
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+
+    def describe(self) -> str:
+        parts = [self.shard if self.shard != "none" else "ddp", f"dp={self.data_parallel}"]
+        if self.tensor_parallel > 1:
+            parts.append(f"tp={self.tensor_parallel}" + ("+sp" if self.sequence_parallel else ""))
+        if self.pipeline_parallel > 1:
+            parts.append(f"pp={self.pipeline_parallel}x{self.microbatches}mb")
+        if self.offload_optimizer:
+            parts.append("offload-optimizer")
+        if self.offload_params:
+            parts.append("offload-params")
+        return " ".join(parts)
+
+
+def check_layout(layout: ParallelLayout, facts: ModelFacts) -> None:
+    """Reject layouts the model cannot take (one clear line each)."""
+    if facts.heads and facts.heads % layout.tensor_parallel:
+        raise UserError(f"tensor parallel degree {layout.tensor_parallel} does not divide the "
+                        f"{facts.heads} attention heads")
+    if layout.pipeline_parallel > max(1, facts.layers):
+        raise UserError(f"pipeline parallel degree {layout.pipeline_parallel} is larger than the "
+                        f"{facts.layers} layers")
+
+
+def _model_states(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> tuple[int, int]:
+    """(per-GPU bytes, per-host bytes) of parameters, gradients and optimizer state."""
+    psi = facts.parameters // (layout.tensor_parallel * layout.pipeline_parallel)
+    largest = facts.largest_block_parameters // layout.tensor_parallel
+    n = layout.data_parallel
+    single = (est.components["parameters"] + est.components["gradients"]
+              + est.components["optimizer_state"]) // (layout.tensor_parallel
+                                                      * layout.pipeline_parallel)
+    if layout.shard == "zero1":
+        return zero1_model_states(psi, n).gpu_bytes, 0
+    if layout.shard == "zero2":
+        states = zero2_model_states(psi, gpus_per_node=n, cpu_offload=layout.offload_optimizer)
+        return states.gpu_bytes, states.cpu_bytes
+    if layout.shard == "zero3":
+        states = zero3_model_states(psi, largest, gpus_per_node=n,
+                                    cpu_offload=layout.offload_optimizer,
+                                    cpu_offload_params=layout.offload_params)
+        return states.gpu_bytes, states.cpu_bytes
+    per_param = single / max(1, psi)  # bytes per parameter in this recipe
+    if layout.shard == "fsdp":  # FSDP2 full shard: states / N + two gathered blocks
+        param_bytes = est.components["parameters"] / max(1, facts.parameters)
+        return int(single / n + 2 * largest * param_bytes + largest * param_bytes), 0
+    if layout.shard == "fsdp-grad-op":  # parameters stay gathered between forward and backward
+        param_bytes = est.components["parameters"] / max(1, facts.parameters)
+        return int(psi * param_bytes + (single - psi * param_bytes) / n), 0
+    return int(per_param * psi), 0
+
+
+def _activation_share(layout: ParallelLayout) -> float:
+    """Fraction of the single-GPU activations a rank keeps (Korthikanti et al. 2022: with
+    tensor parallelism 10 of the 34 sbh stay replicated; sequence parallelism splits those
+    too). Under 1F1B the first pipeline stage holds min(p, M) micro-batches of L/p layers."""
+    t = layout.tensor_parallel
+    share = 1.0 / t if layout.sequence_parallel or t == 1 else (10 + 24 / t) / 34
+    p = layout.pipeline_parallel
+    return share * min(p, layout.microbatches) / p
+
+
+def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estimate:
+    """The estimate of one rank (the first pipeline stage: the one holding the most)."""
+    check_layout(layout, facts)
+    if layout == ParallelLayout():
+        return est
+    gpu_states, host_states = _model_states(est, layout, facts)
+    working = est.components["activations"] + est.components["temporaries"] \
+        + est.components["inputs"]
+    share = _activation_share(layout)
+    stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(layout.shard, 0)
+    buckets = bucket_bytes(stage, facts.parameters // layout.tensor_parallel)
+    components = dict(est.components)
+    states_total = (est.components["parameters"] + est.components["gradients"]
+                    + est.components["optimizer_state"]) or 1
+    for name in ("parameters", "gradients", "optimizer_state"):
+        components[name] = int(gpu_states * est.components[name] / states_total)
+    for name in ("activations", "inputs"):
+        components[name] = int(est.components[name] * share)
+    components["temporaries"] = int(est.components["temporaries"] * share) + buckets
+    allocated = sum(components.values())
+    fragmentation = (est.peak.reserved_bytes or est.peak.allocated_bytes) - est.peak.allocated_bytes
+    reserved = allocated + int(fragmentation * (allocated / max(1, est.peak.allocated_bytes)))
+    outside = (est.peak.device_total_bytes or 0) - (est.peak.reserved_bytes or 0)
+    nccl = runtime_table()["nccl"]["per_communicator_bytes"] if layout.world_size > 1 else 0
+    if est.runtime.get("nccl"):
+        nccl = 0  # already in the single-GPU figure
+    device_total = reserved + outside + nccl
+    runtime = dict(est.runtime)
+    runtime["nccl"] = runtime.get("nccl", 0) + nccl
+    details = dict(est.details)
+    details["parallel"] = {"layout": layout.describe(), "world_size": layout.world_size,
+                           "model_state_bytes_per_gpu": gpu_states,
+                           "host_state_bytes": host_states, "bucket_bytes": buckets,
+                           "activation_share": round(share, 4),
+                           "working_set_single_gpu_bytes": working}
+    notes = (*est.notes, f"per-rank figures for {layout.describe()}: model states by the "
+             "sharding formulas, activations from the single-GPU trace scaled by the layout "
+             "(FSDP2/DeepSpeed engines are not traced themselves)")
+    peak = Peak(allocated_bytes=allocated, phase=est.peak.phase, iteration=est.peak.iteration,
+                reserved_bytes=reserved, device_total_bytes=device_total,
+                fragmentation_bytes=reserved - allocated)
+    verdict = None
+    if est.verdict is not None:
+        from vramplan.device import judge
+
+        verdict = judge(est.verdict.gpu, est.verdict.capacity_bytes, est.verdict.headroom,
+                        device_total)
+    return replace(est, components=components, peak=peak, runtime=runtime, details=details,
+                   notes=notes, verdict=verdict)

@@ -1,0 +1,60 @@
+"""How many GPUs of a kind a step needs, and with which sharding.
+
+One trace at the per-GPU batch serves every candidate: sharding changes the model states
+each rank holds, not the working set. Candidates go from the least communication to the
+most (DDP, ZeRO-1, ZeRO-2, FSDP full shard, ZeRO-3, ZeRO-3 with optimizer offload) for
+each power-of-two world size::
+
+    >>> answer = gpus_needed(estimate, facts)      # doctest: +SKIP
+    >>> answer.gpus, answer.layout.describe()      # doctest: +SKIP
+    (8, 'fsdp dp=8')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramplan.distributed.layout import ModelFacts, ParallelLayout, per_rank
+from vramplan.errors import UserError
+from vramplan.estimate import Estimate
+
+MAX_GPUS = 1024
+STRATEGIES = (
+    ParallelLayout(shard="none"), ParallelLayout(shard="zero1"), ParallelLayout(shard="zero2"),
+    ParallelLayout(shard="fsdp"), ParallelLayout(shard="zero3"),
+    ParallelLayout(shard="zero3", offload_optimizer=True),
+)
+
+
+@dataclass(frozen=True)
+class GpusNeeded:
+    """The smallest data-parallel world size that fits, its layout and per-rank estimate."""
+
+    gpus: int
+    layout: ParallelLayout
+    estimate: Estimate
+
+    def to_json(self) -> dict:
+        return {"gpus": self.gpus, "layout": self.layout.describe(),
+                "per_rank_device_total_bytes": self.estimate.peak.device_total_bytes,
+                "status": self.estimate.verdict.status}
+
+
+def gpus_needed(estimate: Estimate, facts: ModelFacts) -> GpusNeeded:
+    """Search world sizes 1, 2, 4, ... for the first layout whose every rank fits."""
+    if estimate.verdict is None:
+        raise UserError("counting GPUs needs a card: give --gpu NAME or --gpu-memory SIZE")
+    gpus = 1
+    while gpus <= MAX_GPUS:
+        for strategy in STRATEGIES:
+            if gpus == 1 and strategy.shard != "none":
+                continue
+            layout = ParallelLayout(shard=strategy.shard, data_parallel=gpus,
+                                    offload_optimizer=strategy.offload_optimizer)
+            rank = per_rank(estimate, layout, facts)
+            if rank.verdict.status == "fits":
+                return GpusNeeded(gpus, layout, rank)
+        gpus *= 2
+    raise UserError(f"no data-parallel layout up to {MAX_GPUS} GPUs fits {estimate.verdict.gpu}:"
+                    " the per-GPU working set alone is too large; lower the batch or sequence"
+                    " length, or add tensor/pipeline parallelism")
