@@ -1,0 +1,123 @@
+"""Past one GPU: DeepSpeed's ZeRO formulas exactly, FSDP per-rank figures against the
+sharding arithmetic, TP/PP division, GPUs needed, and bad layouts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vramplan.api import device_options, estimate_built
+from vramplan.cli import main
+from vramplan.distributed.facts import facts_of
+from vramplan.distributed.layout import ParallelLayout, per_rank
+from vramplan.distributed.needed import STRATEGIES, gpus_needed
+from vramplan.distributed.zero import zero2_model_states, zero3_model_states
+from vramplan.sources import resolve
+from vramplan.workload import Recipe
+
+PSI, LARGEST = 7_000_000_000, 250_000_000
+
+
+def test_zero2_matches_deepspeed_estimator():
+    # estimate_zero2_model_states_mem_needs: 4Ψ + 16Ψ/N on GPU; CPU 4Ψ·gpus_per_node·1.5
+    states = zero2_model_states(PSI, gpus_per_node=8)
+    assert states.gpu_bytes == 4 * PSI + 16 * PSI // 8
+    assert states.cpu_bytes == int(PSI * 4 * 8 * 1.5)
+    offload = zero2_model_states(PSI, gpus_per_node=8, cpu_offload=True)
+    assert offload.gpu_bytes == 2 * PSI and offload.cpu_bytes == int(PSI * max(32, 16) * 1.5)
+
+
+def test_zero3_matches_deepspeed_estimator():
+    # estimate_zero3_model_states_mem_needs: 4·largest + 18Ψ/N; offload variants
+    assert zero3_model_states(PSI, LARGEST, gpus_per_node=8).gpu_bytes == (
+        4 * LARGEST + 18 * PSI // 8)
+    assert zero3_model_states(PSI, LARGEST, gpus_per_node=8, nodes=2).gpu_bytes == (
+        4 * LARGEST + 18 * PSI // 16)
+    partial = zero3_model_states(PSI, LARGEST, gpus_per_node=8, cpu_offload=True)
+    assert partial.gpu_bytes == 4 * LARGEST + 2 * PSI // 8
+    assert partial.cpu_bytes == int(PSI * 16 * 1.5)
+    full = zero3_model_states(PSI, LARGEST, gpus_per_node=8, cpu_offload=True,
+                              cpu_offload_params=True)
+    assert full.gpu_bytes == 4 * LARGEST and full.cpu_bytes == int(PSI * 18 * 1.5)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    path = tmp_path_factory.mktemp("llama") / "config.json"
+    path.write_text(json.dumps({
+        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1024,
+        "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}))
+    spec = f"hf:{path}"
+    recipe = Recipe(batch_size=2, seq_len=64, precision="amp-bf16")
+    estimate = estimate_built(resolve(spec, recipe), recipe, "cuda", device_options(gpu="h100"))
+    return spec, estimate, facts_of(resolve(spec, recipe))
+
+
+def test_fsdp_per_rank_follows_the_sharding_arithmetic(llama):
+    _, single, facts = llama
+    rank = per_rank(single, ParallelLayout(shard="fsdp", data_parallel=8), facts)
+    states = sum(single.components[k] for k in ("parameters", "gradients", "optimizer_state"))
+    per_param = single.components["parameters"] / facts.parameters
+    # formula: state/N + the unsharded working set (current and prefetched block gathered,
+    # one block of gradients before reduce-scatter), activations unchanged
+    expected_states = states / 8 + 3 * facts.largest_block_parameters * per_param
+    rank_states = sum(rank.components[k] for k in ("parameters", "gradients", "optimizer_state"))
+    assert rank_states == pytest.approx(expected_states, rel=0.01)
+    assert rank.components["activations"] == single.components["activations"]
+    saved = single.peak.allocated_bytes - rank.peak.allocated_bytes
+    assert saved == pytest.approx(states - rank_states, rel=0.01)
+    assert rank.peak.allocated_bytes <= rank.peak.reserved_bytes <= rank.peak.device_total_bytes
+
+
+def test_tensor_and_pipeline_parallel_divide(llama):
+    _, single, facts = llama
+    tp = per_rank(single, ParallelLayout(tensor_parallel=2, sequence_parallel=True), facts)
+    assert tp.components["activations"] == single.components["activations"] // 2
+    pp = per_rank(single, ParallelLayout(pipeline_parallel=2, microbatches=4), facts)
+    assert pp.components["activations"] == single.components["activations"]  # 2 in flight x L/2
+    pp_one = per_rank(single, ParallelLayout(pipeline_parallel=2, microbatches=1), facts)
+    assert pp_one.components["activations"] == single.components["activations"] // 2
+
+
+def test_gpus_needed_is_the_smallest_that_fits(llama):
+    spec, _, facts = llama
+    recipe = Recipe(batch_size=2, seq_len=64, precision="amp-bf16")
+    tight = estimate_built(resolve(spec, recipe), recipe, "cuda",
+                           device_options(gpu_memory="760MiB", headroom=0.0))
+    answer = gpus_needed(tight, facts)
+    assert answer.estimate.verdict.status == "fits"
+    if answer.gpus > 1:
+        smaller = answer.gpus // 2
+        for strategy in STRATEGIES:
+            layout = ParallelLayout(shard=strategy.shard if smaller > 1 else "none",
+                                    data_parallel=smaller,
+                                    offload_optimizer=strategy.offload_optimizer and smaller > 1)
+            assert per_rank(tight, layout, facts).verdict.status != "fits"
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--tp", "3"], "does not divide the 4 attention heads"),
+    (["--pp", "5"], "larger than the 4 layers"),
+    (["--zero", "4"], "ZeRO stage must be 1, 2 or 3"),
+    (["--fsdp", "8", "--zero", "2"], "choose one of"),
+    (["--offload-optimizer"], "go with --zero"),
+])
+def test_bad_layouts(capsys, llama, args, message):
+    spec = llama[0]
+    try:
+        code = main(["estimate", spec, "--seq-len", "32", *args])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1
+
+
+def test_cli_per_rank_json(capsys, llama):
+    spec = llama[0]
+    main(["estimate", spec, "--seq-len", "64", "--batch-size", "2", "--precision", "amp-bf16",
+          "--zero", "3", "--dp", "8", "--gpu", "h100", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert data["details"]["parallel"]["layout"] == "zero3 dp=8"
+    assert data["runtime"]["nccl"] > 0
