@@ -28,8 +28,12 @@ DEFAULT_RUNS = [
 
 def time_once(args: list[str]) -> tuple[float, int]:
     start = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "vramplan", "estimate", *args, "--json"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "vramplan", "estimate", *args, "--json"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     elapsed = time.perf_counter() - start
     return elapsed, json.loads(done.stdout)["peak"]["allocated_bytes"]
 
@@ -46,8 +50,10 @@ def main() -> None:
         for _ in range(options.repeat):
             elapsed, peak = time_once(args)
             times.append(elapsed)
-        print(f"{' '.join(args):<70} {min(times):7.2f} {statistics.median(times):9.2f} "
-              f"{peak / 2**30:9.2f}")
+        print(
+            f"{' '.join(args):<70} {min(times):7.2f} {statistics.median(times):9.2f} "
+            f"{peak / 2**30:9.2f}"
+        )
 
 
 if __name__ == "__main__":

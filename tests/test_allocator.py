@@ -20,8 +20,9 @@ from vramplan.errors import UserError
 DEFAULT = AllocatorConfig()
 
 
-@pytest.mark.parametrize("size,expected", [(1, 512), (512, 512), (513, 1024), (1200, 1536),
-                                           (MB + 1, MB + 512)])
+@pytest.mark.parametrize(
+    "size,expected", [(1, 512), (512, 512), (513, 1024), (1200, 1536), (MB + 1, MB + 512)]
+)
 def test_rounding_to_512(size, expected):
     assert round_size(size, DEFAULT) == expected
 
@@ -40,9 +41,17 @@ def test_roundup_power2_divisions():
     assert listed.divisions_for(3000 * MB) == 8
 
 
-@pytest.mark.parametrize("rounded,segment", [(512, 2 * MB), (MB, 2 * MB), (MB + 512, 20 * MB),
-                                             (10 * MB - 512, 20 * MB), (10 * MB, 10 * MB),
-                                             (11 * MB + 512, 12 * MB)])
+@pytest.mark.parametrize(
+    "rounded,segment",
+    [
+        (512, 2 * MB),
+        (MB, 2 * MB),
+        (MB + 512, 20 * MB),
+        (10 * MB - 512, 20 * MB),
+        (10 * MB, 10 * MB),
+        (11 * MB + 512, 12 * MB),
+    ],
+)
 def test_segment_sizes(rounded, segment):
     assert segment_size(rounded) == segment
 
@@ -146,8 +155,14 @@ def test_fragmentation_can_cause_oom():
 
 
 def test_replay_reports_peaks_and_block_sizes():
-    requests = [Request(0, 100, True), Request(1, 3 * MB, True), Request(0, 100, False),
-                Request(2, 11 * MB, True), Request(1, 3 * MB, False), Request(2, 11 * MB, False)]
+    requests = [
+        Request(0, 100, True),
+        Request(1, 3 * MB, True),
+        Request(0, 100, False),
+        Request(2, 11 * MB, True),
+        Request(1, 3 * MB, False),
+        Request(2, 11 * MB, False),
+    ]
     result = replay(requests, DEFAULT)
     assert result.block_sizes == {0: 512, 1: 3 * MB, 2: 11 * MB}
     assert result.stats.peak_reserved == 2 * MB + 20 * MB  # 11 MiB fits the 17 MiB remainder
@@ -156,12 +171,18 @@ def test_replay_reports_peaks_and_block_sizes():
     assert replay(requests, DEFAULT, capacity=10 * MB).oom_at == 1
 
 
-@pytest.mark.parametrize("text,message", [
-    ("foo", "cannot read"), ("max_split_size_mb:10", "at least 20"),
-    ("expandable_segments:maybe", "True or False"), ("roundup_power2_divisions:3", "power of 2"),
-    ("garbage_collection_threshold:1.5", "(0, 1)"), ("bogus_key:1", "unknown option"),
-    ("roundup_power2_divisions:[256:1,512:2", "unterminated"),
-])
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("foo", "cannot read"),
+        ("max_split_size_mb:10", "at least 20"),
+        ("expandable_segments:maybe", "True or False"),
+        ("roundup_power2_divisions:3", "power of 2"),
+        ("garbage_collection_threshold:1.5", "(0, 1)"),
+        ("bogus_key:1", "unknown option"),
+        ("roundup_power2_divisions:[256:1,512:2", "unterminated"),
+    ],
+)
 def test_malformed_alloc_conf(text, message):
     with pytest.raises(UserError, match=None) as info:
         AllocatorConfig.parse(text)

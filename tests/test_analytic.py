@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 import vramplan
-from vramplan.analytic.calc import calculate
 from vramplan.analytic.layers import layers_estimate, load_spec, walk
 from vramplan.analytic.states import model_state_bytes
 from vramplan.analytic.transformer import (
@@ -41,9 +40,21 @@ def run_cli(capsys, *args):
 
 
 def test_calc_classic_example_exactly(capsys):
-    code, out, _ = run_cli(capsys, "calc", "--params", "20M", "--batch-size", "32",
-                           "--activations-per-sample", "1M", "--precision", "fp32",
-                           "--optimizer", "none", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "calc",
+        "--params",
+        "20M",
+        "--batch-size",
+        "32",
+        "--activations-per-sample",
+        "1M",
+        "--precision",
+        "fp32",
+        "--optimizer",
+        "none",
+        "--json",
+    )
     data = json.loads(out)
     assert code == 0 and data["schema"] == "vramplan.estimate/1" and data["method"] == "calc"
     assert data["peak"]["allocated_bytes"] == 288_000_000
@@ -53,21 +64,47 @@ def test_calc_classic_example_exactly(capsys):
 
 
 def test_adam_state_of_7b_fp32_is_56_gb(capsys):
-    code, out, _ = run_cli(capsys, "calc", "--params", "7B", "--precision", "fp32",
-                           "--optimizer", "adam", "--batch-size", "1",
-                           "--activations-per-sample", "0", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "calc",
+        "--params",
+        "7B",
+        "--precision",
+        "fp32",
+        "--optimizer",
+        "adam",
+        "--batch-size",
+        "1",
+        "--activations-per-sample",
+        "0",
+        "--json",
+    )
     assert json.loads(out)["components"]["optimizer_state"] == 56_000_000_000
 
 
 def test_stack_exchange_cs231n_example(capsys):
-    code, out, _ = run_cli(capsys, "calc", "--params", "19072984", "--activations-per-sample",
-                           "532752", "--input-shape", "180x50x1", "--batch-size", "128",
-                           "--method", "cs231n", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "calc",
+        "--params",
+        "19072984",
+        "--activations-per-sample",
+        "532752",
+        "--input-shape",
+        "180x50x1",
+        "--batch-size",
+        "128",
+        "--method",
+        "cs231n",
+        "--json",
+    )
     assert json.loads(out)["peak"]["allocated_bytes"] == 779_021_856
 
 
-@pytest.mark.parametrize("text,value", [("20M", 20_000_000), ("1.3B", 1_300_000_000),
-                                        ("2e7", 20_000_000), ("7000", 7000)])
+@pytest.mark.parametrize(
+    "text,value",
+    [("20M", 20_000_000), ("1.3B", 1_300_000_000), ("2e7", 20_000_000), ("7000", 7000)],
+)
 def test_counts(text, value):
     assert parse_count(text) == value
 
@@ -75,20 +112,28 @@ def test_counts(text, value):
 def test_mixed_precision_adam_is_16_bytes_per_parameter():
     assert sum(model_state_bytes(1000, "amp-bf16", "adamw").values()) == 16_000
     assert model_state_bytes(1000, "bf16", "adam") == {
-        "parameters": 2000, "gradients": 2000, "optimizer_state": 4000}
+        "parameters": 2000,
+        "gradients": 2000,
+        "optimizer_state": 4000,
+    }
 
 
-@pytest.mark.parametrize("optimizer", ["sgd", "momentum", "adam", "adamw", "adagrad", "rmsprop",
-                                       "lion", "adam8bit"])
+@pytest.mark.parametrize(
+    "optimizer", ["sgd", "momentum", "adam", "adamw", "adagrad", "rmsprop", "lion", "adam8bit"]
+)
 def test_state_bytes_agree_with_the_tracer(optimizer):
     recipe = Recipe(batch_size=2, optimizer=optimizer)
     with torch.device("meta"):
-        model = nn.Sequential(nn.Linear(128, 64, bias=False), nn.ReLU(),
-                              nn.Linear(64, 128, bias=False))
+        model = nn.Sequential(
+            nn.Linear(128, 64, bias=False), nn.ReLU(), nn.Linear(64, 128, bias=False)
+        )
     built = module_source(model, recipe.with_changes(input_shape=(128,)), "mlp")
     trace = trace_training(built, recipe, CudaPolicy())
-    traced = sum(a.nbytes for a in trace.allocations
-                 if a.category == "optimizer_state" and a.free_index is None)
+    traced = sum(
+        a.nbytes
+        for a in trace.allocations
+        if a.category == "optimizer_state" and a.free_index is None
+    )
     assert traced == model_state_bytes(2 * 128 * 64, "fp32", optimizer)["optimizer_state"]
 
 
@@ -106,25 +151,32 @@ def test_vgg16_walkthrough_matches_cs231n_rows():
 
 
 def test_layers_default_method_explains_the_difference(capsys):
-    code, out, _ = run_cli(capsys, "layers", str(VGG), "--batch-size", "8", "--optimizer",
-                           "sgd", "--json")
+    code, out, _ = run_cli(
+        capsys, "layers", str(VGG), "--batch-size", "8", "--optimizer", "sgd", "--json"
+    )
     default = json.loads(out)
-    code, out, _ = run_cli(capsys, "layers", str(VGG), "--batch-size", "8", "--method",
-                           "cs231n", "--json")
+    code, out, _ = run_cli(
+        capsys, "layers", str(VGG), "--batch-size", "8", "--method", "cs231n", "--json"
+    )
     classic = json.loads(out)
     assert default["components"]["optimizer_state"] == 0  # plain SGD keeps no state
     assert classic["components"]["optimizer_state"] == default["components"]["parameters"]
     assert "CS231n instead" in default["notes"][0]
 
 
-@pytest.mark.parametrize("spec,message", [
-    ({"input": [3, 8, 8], "layers": [{"dense": {"out": 4}}, {"conv": {"out": 4}}]},
-     "needs a CxHxW input"),
-    ({"input": [3, 8, 8], "layers": ["softmaxx"]}, "unknown layer type 'softmaxx'"),
-    ({"input": [3, 8, 8], "layers": [{"conv": {"out": -4}}]}, "positive integer 'out'"),
-    ({"input": [3, 4, 4], "layers": [{"pool": {"kernel": 8}}]}, "does not fit"),
-    ({"layers": []}, "needs an 'input' shape"),
-])
+@pytest.mark.parametrize(
+    "spec,message",
+    [
+        (
+            {"input": [3, 8, 8], "layers": [{"dense": {"out": 4}}, {"conv": {"out": 4}}]},
+            "needs a CxHxW input",
+        ),
+        ({"input": [3, 8, 8], "layers": ["softmaxx"]}, "unknown layer type 'softmaxx'"),
+        ({"input": [3, 8, 8], "layers": [{"conv": {"out": -4}}]}, "positive integer 'out'"),
+        ({"input": [3, 4, 4], "layers": [{"pool": {"kernel": 8}}]}, "does not fit"),
+        ({"layers": []}, "needs an 'input' shape"),
+    ],
+)
 def test_bad_layer_specs(capsys, tmp_path, spec, message):
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
@@ -139,18 +191,25 @@ def test_malformed_yaml(capsys, tmp_path):
     assert code == 2 and "malformed layer spec" in err
 
 
-@pytest.mark.parametrize("name,count", [("meta-llama-3-8b", 8_030_261_248),
-                                        ("llama-2-7b", 6_738_415_616), ("gpt2", 124_439_808),
-                                        ("qwen2.5-7b", 7_615_616_512),
-                                        ("mistral-7b-v0.1", 7_241_732_096),
-                                        ("meta-llama-3-70b", 70_553_706_496)])
+@pytest.mark.parametrize(
+    "name,count",
+    [
+        ("meta-llama-3-8b", 8_030_261_248),
+        ("llama-2-7b", 6_738_415_616),
+        ("gpt2", 124_439_808),
+        ("qwen2.5-7b", 7_615_616_512),
+        ("mistral-7b-v0.1", 7_241_732_096),
+        ("meta-llama-3-70b", 70_553_706_496),
+    ],
+)
 def test_parameter_counts_from_configs(name, count):
     assert shape_from_config(load_config_dict(name)[1]).parameters() == count
 
 
 def test_kv_cache_and_tensor_parallel():
-    shape = TransformerShape(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336,
-                             vocab=128256)
+    shape = TransformerShape(
+        layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256
+    )
     assert kv_cache_bytes(shape, 8192, 4) == 2 * 32 * 8 * 128 * 8192 * 4 * 2
     config = load_config_dict("meta-llama-3-8b")[1]
     recipe = Recipe(batch_size=1, seq_len=4096, precision="amp-bf16")
@@ -165,8 +224,16 @@ def test_kv_cache_and_tensor_parallel():
 def test_korthikanti_formula_for_gpt_layers():
     from vramplan.analytic.transformer import layer_activation_bytes
 
-    shape = TransformerShape(layers=1, hidden=1024, heads=16, kv_heads=16, intermediate=4096,
-                             vocab=1, gated_mlp=False, dropout=True)
+    shape = TransformerShape(
+        layers=1,
+        hidden=1024,
+        heads=16,
+        kv_heads=16,
+        intermediate=4096,
+        vocab=1,
+        gated_mlp=False,
+        dropout=True,
+    )
     s, b, h, a = 512, 2, 1024, 16
     assert layer_activation_bytes(shape, s, b, flash=False) == s * b * h * (34 + 5 * a * s // h)
 
@@ -174,16 +241,35 @@ def test_korthikanti_formula_for_gpt_layers():
 def _traced_tensor_peak(tmp_path, config, recipe):
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
-    estimate = vramplan.estimate(f"hf:{path}", batch_size=recipe.batch_size,
-                                 seq_len=recipe.seq_len, precision=recipe.precision)
+    estimate = vramplan.estimate(
+        f"hf:{path}",
+        batch_size=recipe.batch_size,
+        seq_len=recipe.seq_len,
+        precision=recipe.precision,
+    )
     return estimate, estimate.details["tensor_allocated_bytes"]
 
 
-LLAMA = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 2048,
-         "hidden_size": 256, "intermediate_size": 688, "num_hidden_layers": 4,
-         "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
-GPT2 = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 2048,
-        "n_positions": 256, "n_embd": 256, "n_layer": 4, "n_head": 4}
+LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 2048,
+    "hidden_size": 256,
+    "intermediate_size": 688,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+GPT2 = {
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "vocab_size": 2048,
+    "n_positions": 256,
+    "n_embd": 256,
+    "n_layer": 4,
+    "n_head": 4,
+}
 
 
 @pytest.mark.parametrize("precision", ["amp-bf16", "fp32"])
@@ -223,8 +309,17 @@ def test_llm_command_and_bad_input(capsys):
 
 
 def test_qlora_keeps_a_4bit_base_and_trains_only_adapters(capsys):
-    code, out, _ = run_cli(capsys, "llm", "hf:meta-llama-3-8b", "--lora-rank", "16", "--qlora",
-                           "--seq-len", "1024", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "llm",
+        "hf:meta-llama-3-8b",
+        "--lora-rank",
+        "16",
+        "--qlora",
+        "--seq-len",
+        "1024",
+        "--json",
+    )
     data = json.loads(out)
     trainable = data["model"]["trainable_parameters"]
     assert 0 < trainable < data["model"]["parameters"] / 100

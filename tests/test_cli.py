@@ -22,8 +22,15 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
 
 @pytest.fixture
 def tiny_gpt2(tmp_path):
-    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 512,
-              "n_positions": 64, "n_embd": 32, "n_layer": 2, "n_head": 2}
+    config = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": 512,
+        "n_positions": 64,
+        "n_embd": 32,
+        "n_layer": 2,
+        "n_head": 2,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     return path
@@ -53,21 +60,43 @@ def model_file(tmp_path):
 
 
 def test_json_contract(capsys, tiny_gpt2):
-    code, out, _ = run_cli(capsys, "estimate", f"hf:{tiny_gpt2}", "--seq-len", "32",
-                           "--batch-size", "2", "--optimizer", "sgd", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "estimate",
+        f"hf:{tiny_gpt2}",
+        "--seq-len",
+        "32",
+        "--batch-size",
+        "2",
+        "--optimizer",
+        "sgd",
+        "--json",
+    )
     assert code == 0
     data = json.loads(out)
     assert data["schema"] == "vramplan.estimate/1"
     assert data["peak"]["phase"] in ("forward", "backward", "optimizer")
-    assert set(data["components"]) == {"parameters", "buffers", "gradients", "optimizer_state",
-                                       "activations", "temporaries", "inputs"}
+    assert set(data["components"]) == {
+        "parameters",
+        "buffers",
+        "gradients",
+        "optimizer_state",
+        "activations",
+        "temporaries",
+        "inputs",
+    }
     assert all(isinstance(v, int) for v in data["components"].values())
     assert data["recipe"]["batch_size"] == 2 and data["recipe"]["seq_len"] == 32
     assert data["recipe"]["optimizer"] == "sgd"
     # 512*32 (tied wte) + 64*32 (wpe) + 2 blocks * (12*32*32 + 13*32) + 2*32 (final LN)
     assert data["model"]["parameters"] == 512 * 32 + 64 * 32 + 2 * (12 * 32 * 32 + 13 * 32) + 64
-    assert set(data["summary"]) == {"parameters", "gradients", "optimizer_state", "activations",
-                                    "workspace"}
+    assert set(data["summary"]) == {
+        "parameters",
+        "gradients",
+        "optimizer_state",
+        "activations",
+        "workspace",
+    }
 
 
 def test_file_factory_and_terminal_output(capsys, model_file):
@@ -78,26 +107,29 @@ def test_file_factory_and_terminal_output(capsys, model_file):
     assert code == 0 and " kB" in out and "decimal units" in out
 
 
-@pytest.mark.parametrize("args,expected", [
-    (["torchvision:resnet5O"], "unknown torchvision model"),
-    (["hf:not-a-model"], "unknown hf model"),
-    (["nonsense"], "cannot read model"),
-    (["missing/file.py:make"], "model file not found"),
-    (["{model_file}:nope"], "has no attribute 'nope'"),
-    (["{model_file}:not_callable"], "is not callable"),
-    (["{model_file}:broken"], "factory {model_file}:broken raised RuntimeError"),
-    (["{model_file}:data_dependent"], "cannot run under fake tensors"),
-    (["{model_file}:make", "--batch-size", "0"], "batch size must be a positive integer"),
-    (["{model_file}:make", "--batch-size", "-3"], "batch size must be a positive integer"),
-    (["{model_file}:make", "--input-shape", "3xAx4"], "cannot read shape"),
-    (["{model_file}:make", "--input-shape", "8"], "failed on the example batch"),
-    (["{model_file}:make", "--precision", "fp8"], "unknown precision 'fp8'"),
-    (["{model_file}:make", "--optimizer", "sgdd"], "unknown optimizer 'sgdd'"),
-    (["{model_file}:make", "--checkpointing", "half"], "unknown checkpointing"),
-    (["{model_file}:make", "--mode", "serve"], "unknown mode"),
-    (["{model_file}:make", "--units", "si"], "unknown units"),
-    (["{model_file}:make", "--no-such-flag"], "No such option"),
-])
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["torchvision:resnet5O"], "unknown torchvision model"),
+        (["hf:not-a-model"], "unknown hf model"),
+        (["nonsense"], "cannot read model"),
+        (["missing/file.py:make"], "model file not found"),
+        (["{model_file}:nope"], "has no attribute 'nope'"),
+        (["{model_file}:not_callable"], "is not callable"),
+        (["{model_file}:broken"], "factory {model_file}:broken raised RuntimeError"),
+        (["{model_file}:data_dependent"], "cannot run under fake tensors"),
+        (["{model_file}:make", "--batch-size", "0"], "batch size must be a positive integer"),
+        (["{model_file}:make", "--batch-size", "-3"], "batch size must be a positive integer"),
+        (["{model_file}:make", "--input-shape", "3xAx4"], "cannot read shape"),
+        (["{model_file}:make", "--input-shape", "8"], "failed on the example batch"),
+        (["{model_file}:make", "--precision", "fp8"], "unknown precision 'fp8'"),
+        (["{model_file}:make", "--optimizer", "sgdd"], "unknown optimizer 'sgdd'"),
+        (["{model_file}:make", "--checkpointing", "half"], "unknown checkpointing"),
+        (["{model_file}:make", "--mode", "serve"], "unknown mode"),
+        (["{model_file}:make", "--units", "si"], "unknown units"),
+        (["{model_file}:make", "--no-such-flag"], "No such option"),
+    ],
+)
 def test_bad_input_is_one_line_and_exit_2(capsys, model_file, args, expected):
     args = [a.replace("{model_file}", str(model_file)) for a in args]
     code, out, err = run_cli(capsys, "estimate", *args)
@@ -122,8 +154,12 @@ def test_seq_len_beyond_learned_positions(capsys, tiny_gpt2):
 
 
 def test_installed_script_reports_errors_without_traceback(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "vramplan", "estimate", "torchvision:nope"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "vramplan", "estimate", "torchvision:nope"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert result.stderr.strip().startswith("vramplan: error: unknown torchvision model")
     assert "Traceback" not in result.stderr

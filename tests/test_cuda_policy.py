@@ -22,14 +22,26 @@ def test_every_installed_cuda_autocast_op_gets_a_policy():
     assert policies <= {"lower", "fp32", "fp32_set_opt_dtype", "promote", "banned"}
 
 
-@pytest.mark.parametrize("name,policy", [
-    ("aten::linear", "lower"), ("aten::conv2d", "lower"), ("aten::bmm", "lower"),
-    ("aten::baddbmm", "lower"), ("aten::einsum", "lower"), ("aten::layer_norm", "fp32"),
-    ("aten::group_norm", "fp32"), ("aten::exp", "fp32"), ("aten::nll_loss", "fp32"),
-    ("aten::softmax.int", "fp32_set_opt_dtype"), ("aten::log_softmax.int", "fp32_set_opt_dtype"),
-    ("aten::sum", "fp32_set_opt_dtype"), ("aten::cumsum", "fp32_set_opt_dtype"),
-    ("aten::addcmul", "promote"), ("aten::binary_cross_entropy", "banned"),
-])
+@pytest.mark.parametrize(
+    "name,policy",
+    [
+        ("aten::linear", "lower"),
+        ("aten::conv2d", "lower"),
+        ("aten::bmm", "lower"),
+        ("aten::baddbmm", "lower"),
+        ("aten::einsum", "lower"),
+        ("aten::layer_norm", "fp32"),
+        ("aten::group_norm", "fp32"),
+        ("aten::exp", "fp32"),
+        ("aten::nll_loss", "fp32"),
+        ("aten::softmax.int", "fp32_set_opt_dtype"),
+        ("aten::log_softmax.int", "fp32_set_opt_dtype"),
+        ("aten::sum", "fp32_set_opt_dtype"),
+        ("aten::cumsum", "fp32_set_opt_dtype"),
+        ("aten::addcmul", "promote"),
+        ("aten::binary_cross_entropy", "banned"),
+    ],
+)
 def test_policies_from_autocast_mode_cpp(name, policy):
     assert policy_of(name) == policy
 
@@ -44,8 +56,12 @@ def _outputs(autocast):
 
 
 def test_cuda_rules_differ_from_the_cpu_lists():
-    assert _outputs(cuda_autocast(torch.float16)) == (torch.float16, torch.float32,
-                                                      torch.float32, torch.float32)
+    assert _outputs(cuda_autocast(torch.float16)) == (
+        torch.float16,
+        torch.float32,
+        torch.float32,
+        torch.float32,
+    )
     cpu = _outputs(torch.autocast("cpu", dtype=torch.float16))
     assert cpu == (torch.float16, torch.float16, torch.float16, torch.float16)
 
@@ -73,8 +89,11 @@ def _weight_casts(policy) -> int:
         model = SharedWeight()
     built = module_source(model, recipe.with_changes(input_shape=(256,)), "shared")
     trace = trace_training(built, recipe, policy)
-    return sum(1 for a in trace.allocations
-               if a.op == "_to_copy" and a.nbytes == 256 * 256 * 2 and a.phase == "forward")
+    return sum(
+        1
+        for a in trace.allocations
+        if a.op == "_to_copy" and a.nbytes == 256 * 256 * 2 and a.phase == "forward"
+    )
 
 
 def test_weight_cast_cache_one_copy_per_region():
@@ -89,9 +108,19 @@ def test_amp_trace_runs_backward_under_cuda_rules(tmp_path):
     from vramplan.sources import resolve
 
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                                "vocab_size": 512, "n_positions": 64, "n_embd": 32,
-                                "n_layer": 2, "n_head": 2}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": 512,
+                "n_positions": 64,
+                "n_embd": 32,
+                "n_layer": 2,
+                "n_head": 2,
+            }
+        )
+    )
     recipe = Recipe(batch_size=2, seq_len=32, precision="amp-bf16")
     cuda = estimate_built(resolve(f"hf:{path}", recipe), recipe, "cuda")
     cpu = estimate_built(resolve(f"hf:{path}", recipe), recipe, "cpu")

@@ -14,8 +14,15 @@ from vramplan.runtime import runtime_table
 
 @pytest.fixture
 def tiny_gpt2(tmp_path):
-    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 1024,
-              "n_positions": 128, "n_embd": 64, "n_layer": 2, "n_head": 2}
+    config = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": 1024,
+        "n_positions": 128,
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 2,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     return f"hf:{path}"
@@ -30,19 +37,45 @@ def run_cli(capsys, *args):
     return code, out, err
 
 
-@pytest.mark.parametrize("spelling,name", [("a100", "A100-80GB"), ("A100-80GB", "A100-80GB"),
-                                           ("a100_40gb", "A100-40GB"), ("h100", "H100-SXM"),
-                                           ("NVIDIA H100 PCIe", "H100-PCIe"), ("Tesla T4", "T4"),
-                                           ("rtx 4090", "RTX-4090"), ("MI300X", "MI300X")])
+@pytest.mark.parametrize(
+    "spelling,name",
+    [
+        ("a100", "A100-80GB"),
+        ("A100-80GB", "A100-80GB"),
+        ("a100_40gb", "A100-40GB"),
+        ("h100", "H100-SXM"),
+        ("NVIDIA H100 PCIe", "H100-PCIe"),
+        ("Tesla T4", "T4"),
+        ("rtx 4090", "RTX-4090"),
+        ("MI300X", "MI300X"),
+    ],
+)
 def test_gpu_spellings(spelling, name):
     assert lookup_gpu(spelling).name == name
 
 
 def test_catalog_covers_the_issue_list():
     names = {gpu.name for gpu in catalog()}
-    assert {"T4", "V100-16GB", "V100-32GB", "A10", "A10G", "L4", "L40S", "A100-40GB",
-            "A100-80GB", "H100-SXM", "H100-PCIe", "H200", "B200", "RTX-3090", "RTX-4090",
-            "RTX-5090", "MI250X", "MI300X"} <= names
+    assert {
+        "T4",
+        "V100-16GB",
+        "V100-32GB",
+        "A10",
+        "A10G",
+        "L4",
+        "L40S",
+        "A100-40GB",
+        "A100-80GB",
+        "H100-SXM",
+        "H100-PCIe",
+        "H200",
+        "B200",
+        "RTX-3090",
+        "RTX-4090",
+        "RTX-5090",
+        "MI250X",
+        "MI300X",
+    } <= names
     assert all(gpu.total_bytes % 2**20 == 0 for gpu in catalog())
     assert gpu_from_memory("24GiB").total_bytes == 24 * 2**30
 
@@ -53,9 +86,22 @@ def test_unknown_gpu_lists_close_matches():
 
 
 def test_figures_are_ordered_and_verdict_follows(capsys, tiny_gpt2):
-    code, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "64", "--batch-size", "2",
-                           "--precision", "amp-bf16", "--optimizer", "adamw",
-                           "--gpu", "a100-40gb", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "estimate",
+        tiny_gpt2,
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "2",
+        "--precision",
+        "amp-bf16",
+        "--optimizer",
+        "adamw",
+        "--gpu",
+        "a100-40gb",
+        "--json",
+    )
     assert code == 0
     data = json.loads(out)
     peak = data["peak"]
@@ -68,8 +114,11 @@ def test_figures_are_ordered_and_verdict_follows(capsys, tiny_gpt2):
     assert verdict["compared_bytes"] == peak["device_total_bytes"]
     runtime = data["runtime"]
     assert peak["device_total_bytes"] - peak["reserved_bytes"] == (
-        runtime["cuda_context"] + runtime["cublas_kernels"] + runtime["cudnn_kernels"]
-        + runtime["nccl"])
+        runtime["cuda_context"]
+        + runtime["cublas_kernels"]
+        + runtime["cudnn_kernels"]
+        + runtime["nccl"]
+    )
     # one cuBLAS + one cuBLASLt workspace for forward and again for backward (two threads)
     table = runtime_table()
     assert runtime["cublas_workspace"] == 2 * table["cublas_workspace"]["default_bytes"]
@@ -77,8 +126,9 @@ def test_figures_are_ordered_and_verdict_follows(capsys, tiny_gpt2):
 
 
 def test_hopper_gets_the_larger_cublas_workspace(capsys, tiny_gpt2):
-    code, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--gpu", "h100",
-                           "--json")
+    code, out, _ = run_cli(
+        capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--gpu", "h100", "--json"
+    )
     assert json.loads(out)["runtime"]["cublas_workspace"] == 2 * 32 * 2**20
 
 
@@ -94,43 +144,79 @@ def test_headroom_moves_fits_to_tight_and_oom_exits_3(capsys, tiny_gpt2):
     _, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--json")
     total = json.loads(out)["peak"]["device_total_bytes"]
     card = f"{int(total / 0.95)}B"  # the step fills 95% of this card
-    code, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--gpu-memory", card,
-                           "--headroom", "0.0", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "estimate",
+        tiny_gpt2,
+        "--seq-len",
+        "32",
+        "--gpu-memory",
+        card,
+        "--headroom",
+        "0.0",
+        "--json",
+    )
     assert code == 0 and json.loads(out)["verdict"]["status"] == "fits"
-    code, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--gpu-memory", card,
-                           "--headroom", "0.1", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "estimate",
+        tiny_gpt2,
+        "--seq-len",
+        "32",
+        "--gpu-memory",
+        card,
+        "--headroom",
+        "0.1",
+        "--json",
+    )
     assert code == 0 and json.loads(out)["verdict"]["status"] == "tight"
-    code, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--gpu-memory",
-                           f"{total // 2}B", "--json")
+    code, out, _ = run_cli(
+        capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--gpu-memory", f"{total // 2}B", "--json"
+    )
     assert code == 3 and json.loads(out)["verdict"]["status"] == "oom"
 
 
 def test_expandable_segments_map_whole_pages(capsys, tiny_gpt2):
-    _, plain, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "64", "--batch-size", "4",
-                          "--json")
-    _, expandable, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "64", "--batch-size",
-                               "4", "--alloc-conf", "expandable_segments:True", "--json")
+    _, plain, _ = run_cli(
+        capsys, "estimate", tiny_gpt2, "--seq-len", "64", "--batch-size", "4", "--json"
+    )
+    _, expandable, _ = run_cli(
+        capsys,
+        "estimate",
+        tiny_gpt2,
+        "--seq-len",
+        "64",
+        "--batch-size",
+        "4",
+        "--alloc-conf",
+        "expandable_segments:True",
+        "--json",
+    )
     plain, expandable = json.loads(plain)["peak"], json.loads(expandable)["peak"]
     assert expandable["allocated_bytes"] <= expandable["reserved_bytes"]
     assert expandable["reserved_bytes"] % (2 * 2**20) == 0
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--gpu", "a1000"], "unknown GPU 'a1000'; close matches"),
-    (["--alloc-conf", "max_split_size_mb:abc"], "needs a number"),
-    (["--headroom", "1.2"], "headroom must be a fraction"),
-    (["--gpu", "t4", "--gpu-memory", "16GiB"], "either --gpu or --gpu-memory"),
-    (["--gpu-memory", "lots"], "cannot read GPU memory"),
-    (["--framework", "jax"], "unknown framework"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--gpu", "a1000"], "unknown GPU 'a1000'; close matches"),
+        (["--alloc-conf", "max_split_size_mb:abc"], "needs a number"),
+        (["--headroom", "1.2"], "headroom must be a fraction"),
+        (["--gpu", "t4", "--gpu-memory", "16GiB"], "either --gpu or --gpu-memory"),
+        (["--gpu-memory", "lots"], "cannot read GPU memory"),
+        (["--framework", "jax"], "unknown framework"),
+    ],
+)
 def test_bad_device_input(capsys, tiny_gpt2, args, message):
     code, _, err = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err
 
 
 def test_tensorflow_is_explained(capsys, tiny_gpt2):
-    code, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--framework",
-                           "tensorflow", "--json")
+    code, out, _ = run_cli(
+        capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--framework", "tensorflow", "--json"
+    )
     assert code == 0 and any("memory growth" in n for n in json.loads(out)["notes"])
 
 

@@ -31,24 +31,38 @@ def test_zero2_matches_deepspeed_estimator():
 def test_zero3_matches_deepspeed_estimator():
     # estimate_zero3_model_states_mem_needs: 4·largest + 18Ψ/N; offload variants
     assert zero3_model_states(PSI, LARGEST, gpus_per_node=8).gpu_bytes == (
-        4 * LARGEST + 18 * PSI // 8)
+        4 * LARGEST + 18 * PSI // 8
+    )
     assert zero3_model_states(PSI, LARGEST, gpus_per_node=8, nodes=2).gpu_bytes == (
-        4 * LARGEST + 18 * PSI // 16)
+        4 * LARGEST + 18 * PSI // 16
+    )
     partial = zero3_model_states(PSI, LARGEST, gpus_per_node=8, cpu_offload=True)
     assert partial.gpu_bytes == 4 * LARGEST + 2 * PSI // 8
     assert partial.cpu_bytes == int(PSI * 16 * 1.5)
-    full = zero3_model_states(PSI, LARGEST, gpus_per_node=8, cpu_offload=True,
-                              cpu_offload_params=True)
+    full = zero3_model_states(
+        PSI, LARGEST, gpus_per_node=8, cpu_offload=True, cpu_offload_params=True
+    )
     assert full.gpu_bytes == 4 * LARGEST and full.cpu_bytes == int(PSI * 18 * 1.5)
 
 
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     path = tmp_path_factory.mktemp("llama") / "config.json"
-    path.write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 1024,
-        "hidden_size": 128, "intermediate_size": 344, "num_hidden_layers": 4,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 1024,
+                "hidden_size": 128,
+                "intermediate_size": 344,
+                "num_hidden_layers": 4,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 256,
+            }
+        )
+    )
     spec = f"hf:{path}"
     recipe = Recipe(batch_size=2, seq_len=64, precision="amp-bf16")
     estimate = estimate_built(resolve(spec, recipe), recipe, "cuda", device_options(gpu="h100"))
@@ -84,26 +98,32 @@ def test_tensor_and_pipeline_parallel_divide(llama):
 def test_gpus_needed_is_the_smallest_that_fits(llama):
     spec, _, facts = llama
     recipe = Recipe(batch_size=2, seq_len=64, precision="amp-bf16")
-    tight = estimate_built(resolve(spec, recipe), recipe, "cuda",
-                           device_options(gpu_memory="760MiB", headroom=0.0))
+    tight = estimate_built(
+        resolve(spec, recipe), recipe, "cuda", device_options(gpu_memory="760MiB", headroom=0.0)
+    )
     answer = gpus_needed(tight, facts)
     assert answer.estimate.verdict.status == "fits"
     if answer.gpus > 1:
         smaller = answer.gpus // 2
         for strategy in STRATEGIES:
-            layout = ParallelLayout(shard=strategy.shard if smaller > 1 else "none",
-                                    data_parallel=smaller,
-                                    offload_optimizer=strategy.offload_optimizer and smaller > 1)
+            layout = ParallelLayout(
+                shard=strategy.shard if smaller > 1 else "none",
+                data_parallel=smaller,
+                offload_optimizer=strategy.offload_optimizer and smaller > 1,
+            )
             assert per_rank(tight, layout, facts).verdict.status != "fits"
 
 
-@pytest.mark.parametrize("args,message", [
-    (["--tp", "3"], "does not divide the 4 attention heads"),
-    (["--pp", "5"], "larger than the 4 layers"),
-    (["--zero", "4"], "ZeRO stage must be 1, 2 or 3"),
-    (["--fsdp", "8", "--zero", "2"], "choose one of"),
-    (["--offload-optimizer"], "go with --zero"),
-])
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--tp", "3"], "does not divide the 4 attention heads"),
+        (["--pp", "5"], "larger than the 4 layers"),
+        (["--zero", "4"], "ZeRO stage must be 1, 2 or 3"),
+        (["--fsdp", "8", "--zero", "2"], "choose one of"),
+        (["--offload-optimizer"], "go with --zero"),
+    ],
+)
 def test_bad_layouts(capsys, llama, args, message):
     spec = llama[0]
     try:
@@ -116,8 +136,25 @@ def test_bad_layouts(capsys, llama, args, message):
 
 def test_cli_per_rank_json(capsys, llama):
     spec = llama[0]
-    main(["estimate", spec, "--seq-len", "64", "--batch-size", "2", "--precision", "amp-bf16",
-          "--zero", "3", "--dp", "8", "--gpu", "h100", "--json"])
+    main(
+        [
+            "estimate",
+            spec,
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "2",
+            "--precision",
+            "amp-bf16",
+            "--zero",
+            "3",
+            "--dp",
+            "8",
+            "--gpu",
+            "h100",
+            "--json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert data["details"]["parallel"]["layout"] == "zero3 dp=8"
     assert data["runtime"]["nccl"] > 0

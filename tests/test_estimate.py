@@ -16,8 +16,9 @@ from vramplan.workload import Recipe
 
 
 def mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(),
-                         nn.Linear(1024, 10))
+    return nn.Sequential(
+        nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 10)
+    )
 
 
 def _built(recipe: Recipe, factory=mlp, shape=(256,)):
@@ -34,8 +35,9 @@ def _param_bytes(factory=mlp) -> int:
 def _final_bytes(recipe: Recipe, category: str) -> int:
     """Bytes of ``category`` still alive when the traced run ends."""
     trace = trace_training(_built(recipe), recipe, CudaPolicy())
-    return sum(a.nbytes for a in trace.allocations
-               if a.category == category and a.free_index is None)
+    return sum(
+        a.nbytes for a in trace.allocations if a.category == category and a.free_index is None
+    )
 
 
 def _peak_of(recipe: Recipe, category: str) -> int:
@@ -57,9 +59,18 @@ def test_parameter_bytes_are_numel_times_element_size():
     assert est.model.parameters == sum(p.numel() for p in mlp().parameters())
 
 
-@pytest.mark.parametrize("optimizer,factor", [("sgd", 0), ("momentum", 1), ("adam", 2),
-                                              ("adamw", 2), ("adagrad", 1), ("rmsprop", 1),
-                                              ("lion", 1)])
+@pytest.mark.parametrize(
+    "optimizer,factor",
+    [
+        ("sgd", 0),
+        ("momentum", 1),
+        ("adam", 2),
+        ("adamw", 2),
+        ("adagrad", 1),
+        ("rmsprop", 1),
+        ("lion", 1),
+    ],
+)
 def test_optimizer_state_per_parameter(optimizer, factor):
     recipe = Recipe(batch_size=4, optimizer=optimizer)
     assert _final_bytes(recipe, "optimizer_state") == factor * _param_bytes()
@@ -89,15 +100,18 @@ def test_doubling_batch_doubles_activations_only():
     large = estimate_built(_built(Recipe(batch_size=32)), Recipe(batch_size=32))
     assert large.components["parameters"] == small.components["parameters"]
     assert _final_bytes(Recipe(batch_size=16), "optimizer_state") == _final_bytes(
-        Recipe(batch_size=32), "optimizer_state")
+        Recipe(batch_size=32), "optimizer_state"
+    )
     ratio = _peak_of(Recipe(batch_size=32), "activations") / _peak_of(
-        Recipe(batch_size=16), "activations")
+        Recipe(batch_size=16), "activations"
+    )
     assert ratio == pytest.approx(2.0, rel=0.02)
 
 
 def test_pure_half_precision_halves_parameter_bytes():
-    est = estimate_built(_built(Recipe(batch_size=4, precision="bf16")),
-                         Recipe(batch_size=4, precision="bf16"))
+    est = estimate_built(
+        _built(Recipe(batch_size=4, precision="bf16")), Recipe(batch_size=4, precision="bf16")
+    )
     assert est.model.parameter_bytes == _param_bytes() // 2
 
 
@@ -122,8 +136,15 @@ def test_checkpointing_reduces_activations_of_repeated_blocks():
     from torchvision.models.vision_transformer import VisionTransformer
 
     def vit():
-        return VisionTransformer(image_size=32, patch_size=4, num_layers=4, num_heads=2,
-                                 hidden_dim=64, mlp_dim=128, num_classes=10)
+        return VisionTransformer(
+            image_size=32,
+            patch_size=4,
+            num_layers=4,
+            num_heads=2,
+            hidden_dim=64,
+            mlp_dim=128,
+            num_classes=10,
+        )
 
     plain = Recipe(batch_size=8)
     full = Recipe(batch_size=8, checkpointing="full")
@@ -159,8 +180,9 @@ def test_estimate_step_traces_the_users_own_loop():
         optimizer.zero_grad()
 
     batch = (torch.randn(16, 256), torch.randint(0, 10, (16,)))
-    est = vramplan.estimate_step(step, model, batch, lambda p: torch.optim.AdamW(p, foreach=True),
-                                 target="cpu")
+    est = vramplan.estimate_step(
+        step, model, batch, lambda p: torch.optim.AdamW(p, foreach=True), target="cpu"
+    )
     assert est.recipe.batch_size == 16
     param_bytes = _param_bytes()
     assert est.components["parameters"] == param_bytes

@@ -24,10 +24,15 @@ class TinyCNN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.features = nn.Sequential(
-            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(3, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
             nn.MaxPool2d(2),
-            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-            nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Conv2d(16, 32, 3, padding=1),
+            nn.BatchNorm2d(32),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
         )
         self.head = nn.Linear(32, 10)
 
@@ -36,15 +41,28 @@ class TinyCNN(nn.Module):
 
 
 def tiny_mlp() -> nn.Module:
-    return nn.Sequential(nn.Linear(128, 512), nn.GELU(), nn.Dropout(0.1), nn.Linear(512, 512),
-                         nn.ReLU(), nn.Linear(512, 10))
+    return nn.Sequential(
+        nn.Linear(128, 512),
+        nn.GELU(),
+        nn.Dropout(0.1),
+        nn.Linear(512, 512),
+        nn.ReLU(),
+        nn.Linear(512, 10),
+    )
 
 
 def tiny_vit() -> nn.Module:
     from torchvision.models.vision_transformer import VisionTransformer
 
-    return VisionTransformer(image_size=32, patch_size=8, num_layers=2, num_heads=2,
-                             hidden_dim=64, mlp_dim=128, num_classes=10)
+    return VisionTransformer(
+        image_size=32,
+        patch_size=8,
+        num_layers=2,
+        num_heads=2,
+        hidden_dim=64,
+        mlp_dim=128,
+        num_classes=10,
+    )
 
 
 def _compare(make_built, recipe: Recipe) -> tuple[int, int]:
@@ -64,9 +82,16 @@ def _module_built(factory, shape):
 
 @pytest.fixture
 def gpt2_two_layers(tmp_path):
-    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 1000,
-              "n_positions": 128, "n_embd": 64, "n_layer": 2, "n_head": 4,
-              "tie_word_embeddings": True}
+    config = {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": 1000,
+        "n_positions": 128,
+        "n_embd": 64,
+        "n_layer": 2,
+        "n_head": 4,
+        "tie_word_embeddings": True,
+    }
     path = tmp_path / "config.json"
     path.write_text(json.dumps(config))
     return lambda recipe: resolve(f"hf:{path}", recipe)
@@ -79,8 +104,12 @@ CASES = [
     ("cnn-momentum", TinyCNN, (3, 32, 32), dict(batch_size=8, optimizer="momentum")),
     ("cnn-adam-accum", TinyCNN, (3, 32, 32), dict(batch_size=8, optimizer="adam", grad_accum=2)),
     ("vit-adamw", tiny_vit, (3, 32, 32), dict(batch_size=4, optimizer="adamw")),
-    ("vit-checkpointed", tiny_vit, (3, 32, 32),
-     dict(batch_size=4, optimizer="adamw", checkpointing="full")),
+    (
+        "vit-checkpointed",
+        tiny_vit,
+        (3, 32, 32),
+        dict(batch_size=4, optimizer="adamw", checkpointing="full"),
+    ),
 ]
 
 
@@ -91,9 +120,13 @@ def test_traced_peak_matches_real_cpu_run(label, factory, shape, knobs):
     assert abs(traced - real) <= 0.01 * real, (label, traced, real)
 
 
-@pytest.mark.parametrize("knobs", [dict(batch_size=2, seq_len=32, optimizer="adamw"),
-                                   dict(batch_size=2, seq_len=32, optimizer="sgd",
-                                        checkpointing="full")])
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        dict(batch_size=2, seq_len=32, optimizer="adamw"),
+        dict(batch_size=2, seq_len=32, optimizer="sgd", checkpointing="full"),
+    ],
+)
 def test_gpt2_two_layers_matches_real_cpu_run(gpt2_two_layers, knobs):
     traced, real = _compare(gpt2_two_layers, Recipe(**knobs))
     assert abs(traced - real) <= 0.01 * real, (traced, real)

@@ -42,17 +42,42 @@ class _Collector(HTMLParser):
 def report(tmp_path_factory):
     folder = tmp_path_factory.mktemp("report")
     config = folder / "config.json"
-    config.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                                  "vocab_size": 512, "n_positions": 64, "n_embd": 32,
-                                  "n_layer": 2, "n_head": 2}))
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": 512,
+                "n_positions": 64,
+                "n_embd": 32,
+                "n_layer": 2,
+                "n_head": 2,
+            }
+        )
+    )
     html, png = folder / "report.html", folder / "report.png"
     import io
     from contextlib import redirect_stdout
 
     buffer = io.StringIO()
     with redirect_stdout(buffer):
-        code = main(["estimate", f"hf:{config}", "--seq-len", "32", "--batch-size", "4",
-                     "--gpu-memory", "2GiB", "--html", str(html), "--plot", str(png), "--json"])
+        code = main(
+            [
+                "estimate",
+                f"hf:{config}",
+                "--seq-len",
+                "32",
+                "--batch-size",
+                "4",
+                "--gpu-memory",
+                "2GiB",
+                "--html",
+                str(html),
+                "--plot",
+                str(png),
+                "--json",
+            ]
+        )
     assert code == 0
     return folder, html, json.loads(buffer.getvalue()), png
 
@@ -70,11 +95,15 @@ def test_report_numbers_equal_the_json(report):
     parsed.feed(html.read_text())
     embedded = json.loads(parsed.embedded.replace("<\\/", "</"))
     assert embedded["peak"] == data["peak"] and embedded["components"] == data["components"]
-    segments = {a["data-component"]: int(a["data-bytes"]) for t, a in parsed.elements
-                if a.get("class") == "segment"}
+    segments = {
+        a["data-component"]: int(a["data-bytes"])
+        for t, a in parsed.elements
+        if a.get("class") == "segment"
+    }
     assert segments == {k: v for k, v in data["components"].items() if v > 0}
-    marks = {a["data-mark"]: int(a["data-bytes"]) for t, a in parsed.elements
-             if a.get("class") == "mark"}
+    marks = {
+        a["data-mark"]: int(a["data-bytes"]) for t, a in parsed.elements if a.get("class") == "mark"
+    }
     assert marks["reserved"] == data["peak"]["reserved_bytes"]
     assert marks["device total"] == data["peak"]["device_total_bytes"]
     assert marks["capacity"] == data["verdict"]["capacity_bytes"]
@@ -102,17 +131,34 @@ def test_report_in_headless_chromium(report):
     with playwright.sync_playwright() as driver:
         browser = driver.chromium.launch(
             executable_path=CHROMIUM,
-            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
-                  "--disable-component-update", "--disable-sync", "--no-first-run"])
+            args=[
+                "--no-sandbox",
+                "--disable-gpu",
+                "--disable-background-networking",
+                "--disable-component-update",
+                "--disable-sync",
+                "--no-first-run",
+            ],
+        )
         page = browser.new_page(viewport={"width": 1280, "height": 900})
         page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
         page.on("pageerror", lambda e: errors.append(str(e)))
         page.on("request", lambda r: requests.append(r.url))
         page.goto(html.as_uri())
-        counts = {selector: page.locator(selector).count() for selector in (
-            "#peak-bar .segment", "#timeline .area", "#timeline .phase", "#peak-marker",
-            "#batch-curve .curve-point", "#batch-curve .gpu-line", "#modules tbody tr",
-            "#verdict", "#inputs")}
+        counts = {
+            selector: page.locator(selector).count()
+            for selector in (
+                "#peak-bar .segment",
+                "#timeline .area",
+                "#timeline .phase",
+                "#peak-marker",
+                "#batch-curve .curve-point",
+                "#batch-curve .gpu-line",
+                "#modules tbody tr",
+                "#verdict",
+                "#inputs",
+            )
+        }
         width = page.evaluate("document.documentElement.scrollWidth")
         shot = folder / "screenshot.png"
         page.screenshot(path=str(shot), full_page=True)

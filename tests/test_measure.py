@@ -43,8 +43,18 @@ def models(tmp_path):
 
 
 def test_measure_prints_estimate_beside_measurement(capsys, models):
-    code, out, _ = run_cli(capsys, "measure", f"{models}:clean", "--batch-size", "16",
-                           "--device", "cpu", "--steps", "3", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "measure",
+        f"{models}:clean",
+        "--batch-size",
+        "16",
+        "--device",
+        "cpu",
+        "--steps",
+        "3",
+        "--json",
+    )
     data = json.loads(out)
     assert code == 0 and data["measured"]["device"] == "cpu"
     assert data["estimate"]["schema"] == "vramplan.estimate/1"
@@ -54,8 +64,18 @@ def test_measure_prints_estimate_beside_measurement(capsys, models):
 
 
 def test_leak_check_flags_a_model_that_keeps_its_graphs(capsys, models):
-    code, out, _ = run_cli(capsys, "measure", f"{models}:leaky", "--batch-size", "64",
-                           "--device", "cpu", "--steps", "4", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "measure",
+        f"{models}:leaky",
+        "--batch-size",
+        "64",
+        "--device",
+        "cpu",
+        "--steps",
+        "4",
+        "--json",
+    )
     leak = json.loads(out)["leak"]
     assert code == 0 and leak["leaking"] is True
     assert leak["bytes_per_step"] >= 64 * 256 * 4  # at least one kept output per step
@@ -87,19 +107,37 @@ def test_measure_bad_device(capsys, models):
 def test_calibrated_profile_replaces_the_runtime_table(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("VRAMPLAN_PROFILE_DIR", str(tmp_path))
     config = tmp_path / "config.json"
-    config.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                                  "vocab_size": 256, "n_positions": 32, "n_embd": 32,
-                                  "n_layer": 1, "n_head": 2}))
-    code, out, _ = run_cli(capsys, "estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4",
-                           "--json")
+    config.write_text(
+        json.dumps(
+            {
+                "model_type": "gpt2",
+                "architectures": ["GPT2LMHeadModel"],
+                "vocab_size": 256,
+                "n_positions": 32,
+                "n_embd": 32,
+                "n_layer": 1,
+                "n_head": 2,
+            }
+        )
+    )
+    code, out, _ = run_cli(
+        capsys, "estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4", "--json"
+    )
     before = json.loads(out)
-    profile = DeviceProfile(gpu="L4", total_bytes=23034 * 2**20, driver="test", cuda="12.4",
-                            torch="2.5", cuda_context_bytes=1_343 * 2**20,
-                            cublas_workspace_bytes=8519680)
+    profile = DeviceProfile(
+        gpu="L4",
+        total_bytes=23034 * 2**20,
+        driver="test",
+        cuda="12.4",
+        torch="2.5",
+        cuda_context_bytes=1_343 * 2**20,
+        cublas_workspace_bytes=8519680,
+    )
     path = save_profile(profile)
     assert load_profile(path) == profile
-    code, out, _ = run_cli(capsys, "estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4",
-                           "--json")
+    code, out, _ = run_cli(
+        capsys, "estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4", "--json"
+    )
     after = json.loads(out)
     assert after["runtime"]["cuda_context"] == 1_343 * 2**20
     assert after["peak"]["device_total_bytes"] == after["peak"]["reserved_bytes"] + 1_343 * 2**20

@@ -44,10 +44,21 @@ def tiny_cnn(tmp_path):
 @pytest.fixture
 def tiny_llama(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({
-        "model_type": "llama", "architectures": ["LlamaForCausalLM"], "vocab_size": 512,
-        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}))
+    path.write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "architectures": ["LlamaForCausalLM"],
+                "vocab_size": 512,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "max_position_embeddings": 512,
+            }
+        )
+    )
     return f"hf:{path}"
 
 
@@ -55,29 +66,44 @@ def _bench(model: str, card: str = CARD) -> Workbench:
     return Workbench(model, device_options(gpu_memory=card))
 
 
-@pytest.mark.parametrize("model,recipe", [
-    ("tiny_cnn", Recipe(batch_size=1, input_shape=(3, 32, 32), optimizer="sgd")),
-    ("tiny_llama", Recipe(batch_size=1, seq_len=64)),
-])
+@pytest.mark.parametrize(
+    "model,recipe",
+    [
+        ("tiny_cnn", Recipe(batch_size=1, input_shape=(3, 32, 32), optimizer="sgd")),
+        ("tiny_llama", Recipe(batch_size=1, seq_len=64)),
+    ],
+)
 def test_max_batch_fits_and_one_more_does_not(request, model, recipe):
     spec = request.getfixturevalue(model)
     bench = _bench(spec)
     result = largest_fitting(bench, recipe)
     assert result.value >= 1
-    fresh = estimate(spec, batch_size=result.value, gpu_memory=CARD, input_shape=recipe.input_shape,
-                     seq_len=recipe.seq_len, optimizer=recipe.optimizer)
+    fresh = estimate(
+        spec,
+        batch_size=result.value,
+        gpu_memory=CARD,
+        input_shape=recipe.input_shape,
+        seq_len=recipe.seq_len,
+        optimizer=recipe.optimizer,
+    )
     assert fresh.verdict.status == "fits"
-    over = estimate(spec, batch_size=result.value + 1, gpu_memory=CARD,
-                    input_shape=recipe.input_shape, seq_len=recipe.seq_len,
-                    optimizer=recipe.optimizer)
+    over = estimate(
+        spec,
+        batch_size=result.value + 1,
+        gpu_memory=CARD,
+        input_shape=recipe.input_shape,
+        seq_len=recipe.seq_len,
+        optimizer=recipe.optimizer,
+    )
     assert over.verdict.status != "fits"
     assert result.traces <= result.bisection_traces
 
 
 def test_longest_context_for_inference(tiny_llama):
     bench = _bench(tiny_llama)
-    result = largest_fitting(bench, Recipe(batch_size=4, seq_len=16, mode="infer"), "seq_len",
-                             start=16)
+    result = largest_fitting(
+        bench, Recipe(batch_size=4, seq_len=16, mode="infer"), "seq_len", start=16
+    )
     assert result.estimate.verdict.status == "fits"
     assert result.beyond is None or result.beyond.verdict.status != "fits"
 
@@ -103,14 +129,35 @@ def test_levers_never_add_memory_and_accumulation_keeps_the_batch(tiny_cnn):
 
 
 def test_plan_reproduces_through_ordinary_flags(capsys, tiny_cnn):
-    code = main(["plan", tiny_cnn, "--batch-size", "64", "--input-shape", "3x32x32",
-                 "--gpu-memory", "850MiB", "--json"])
+    code = main(
+        [
+            "plan",
+            tiny_cnn,
+            "--batch-size",
+            "64",
+            "--input-shape",
+            "3x32x32",
+            "--gpu-memory",
+            "850MiB",
+            "--json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert code == 0 and data["plan"] is not None
     plan = data["plan"]
     assert plan["status"] == "fits"
-    args = ["estimate", tiny_cnn, "--batch-size", "64", "--input-shape", "3x32x32",
-            "--gpu-memory", "850MiB", "--json", *plan["flags"].split()]
+    args = [
+        "estimate",
+        tiny_cnn,
+        "--batch-size",
+        "64",
+        "--input-shape",
+        "3x32x32",
+        "--gpu-memory",
+        "850MiB",
+        "--json",
+        *plan["flags"].split(),
+    ]
     main(args)
     again = json.loads(capsys.readouterr().out)
     assert again["peak"]["device_total_bytes"] == plan["peak"]["device_total_bytes"]
@@ -133,8 +180,11 @@ def test_plan_without_gpu_lists_every_card(capsys, tiny_cnn):
 def test_host_memory_terms():
     est = estimate("torchvision:resnet18", batch_size=8, input_shape=(3, 64, 64), target="cpu")
     batch = 8 * 3 * 64 * 64 * 4 + 8 * 8  # images + int64 labels
-    host = host_memory(est, HostOptions(workers=2, prefetch_factor=2, offload_optimizer=True,
-                                        limit_bytes=1), est.details["optimizer_state_bytes"])
+    host = host_memory(
+        est,
+        HostOptions(workers=2, prefetch_factor=2, offload_optimizer=True, limit_bytes=1),
+        est.details["optimizer_state_bytes"],
+    )
     assert host.terms["dataloader_batches"] == 4 * batch
     assert host.terms["pinned_buffers"] == 4 * batch
     assert host.terms["offloaded_optimizer_state"] == 2 * est.model.parameter_bytes

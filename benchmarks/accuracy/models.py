@@ -1,6 +1,6 @@
 """Models for the study that no library ships: an LSTM classifier and a small UNet.
 
-    vramplan estimate benchmarks/accuracy/models.py:lstm --input-shape 64x128
+vramplan estimate benchmarks/accuracy/models.py:lstm --input-shape 64x128
 """
 
 from __future__ import annotations
@@ -29,8 +29,13 @@ class UNet(nn.Module):
         super().__init__()
 
         def block(cin: int, cout: int) -> nn.Sequential:
-            return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout),
-                                 nn.ReLU(), nn.Conv2d(cout, cout, 3, padding=1), nn.ReLU())
+            return nn.Sequential(
+                nn.Conv2d(cin, cout, 3, padding=1),
+                nn.BatchNorm2d(cout),
+                nn.ReLU(),
+                nn.Conv2d(cout, cout, 3, padding=1),
+                nn.ReLU(),
+            )
 
         self.down1, self.down2 = block(3, width), block(width, 2 * width)
         self.bottom = block(2 * width, 4 * width)

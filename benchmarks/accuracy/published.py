@@ -25,7 +25,8 @@ SOURCE = HERE.parents[2] / "shared" / "validation" / "published.csv"
 MiB = 2**20
 NOT_EXPRESSIBLE = {
     "mmdetection": "detection losses need data-dependent box matching (fake tensors cannot run it)",
-    "detectron2": "detection model", "torchvision-detection": "detection model",
+    "detectron2": "detection model",
+    "torchvision-detection": "detection model",
     "mmdetection-vs-detectron2": "detection model",
 }
 
@@ -33,23 +34,36 @@ NOT_EXPRESSIBLE = {
 def _profile(row: dict, gpu: str) -> DeviceProfile | None:
     if not row["profile_context_mib"]:
         return None
-    return DeviceProfile(gpu=gpu, total_bytes=0, driver="460.91.03", cuda="11.2", torch="?",
-                         cuda_context_bytes=int(row["profile_context_mib"]) * MiB,
-                         cublas_workspace_bytes=0)
+    return DeviceProfile(
+        gpu=gpu,
+        total_bytes=0,
+        driver="460.91.03",
+        cuda="11.2",
+        torch="?",
+        cuda_context_bytes=int(row["profile_context_mib"]) * MiB,
+        cublas_workspace_bytes=0,
+    )
 
 
 def estimate_row(row: dict) -> int:
     recipe = Recipe(
-        batch_size=int(row["batch_size"]), seq_len=int(row["seq_len"]) if row["seq_len"] else None,
+        batch_size=int(row["batch_size"]),
+        seq_len=int(row["seq_len"]) if row["seq_len"] else None,
         input_shape=parse_shape(row["input_shape"]) if row["input_shape"] else None,
-        precision=row["precision"], optimizer=row["optimizer"],
-        checkpointing=row["checkpointing"], grad_accum=int(row["grad_accum"]))
+        precision=row["precision"],
+        optimizer=row["optimizer"],
+        checkpointing=row["checkpointing"],
+        grad_accum=int(row["grad_accum"]),
+    )
     options = device_options(gpu=row["gpu"])
-    options = options.__class__(gpu=options.gpu, headroom=options.headroom,
-                                profile=_profile(row, options.gpu.name))
+    options = options.__class__(
+        gpu=options.gpu, headroom=options.headroom, profile=_profile(row, options.gpu.name)
+    )
     estimate = estimate_built(resolve(row["model"], recipe), recipe, "cuda", options)
-    return {"allocated": estimate.peak.allocated_bytes,
-            "device_total": estimate.peak.device_total_bytes}[row["metric"]]
+    return {
+        "allocated": estimate.peak.allocated_bytes,
+        "device_total": estimate.peak.device_total_bytes,
+    }[row["metric"]]
 
 
 def main() -> None:
@@ -69,14 +83,19 @@ def main() -> None:
         error = (estimate - measured) / measured
         quality = source.get("quality", "?")
         by_quality.setdefault(quality, []).append(error)
-        print(f"| {row['row_id']} | {quality} | {source.get('model', row['model'])[:40]} | "
-              f"{row['metric']} | {measured:.0f} | {estimate:.0f} | {error:+.1%} |", flush=True)
+        print(
+            f"| {row['row_id']} | {quality} | {source.get('model', row['model'])[:40]} | "
+            f"{row['metric']} | {measured:.0f} | {estimate:.0f} | {error:+.1%} |",
+            flush=True,
+        )
     print()
     print("| quality | rows | median abs error | worst under-prediction |")
     print("| --- | ---: | ---: | ---: |")
     for quality, errors in sorted(by_quality.items()):
-        print(f"| {quality} | {len(errors)} | {statistics.median(abs(e) for e in errors):.1%} | "
-              f"{min(min(errors), 0.0):+.1%} |")
+        print(
+            f"| {quality} | {len(errors)} | {statistics.median(abs(e) for e in errors):.1%} | "
+            f"{min(min(errors), 0.0):+.1%} |"
+        )
     expressed = {r["row_id"] for r in mapped}
     print("\nRows not expressed yet:")
     for row_id, source in published.items():

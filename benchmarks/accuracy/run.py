@@ -28,8 +28,20 @@ from vramplan.measure import default_device
 from vramplan.workload import Recipe, parse_shape
 
 HERE = Path(__file__).resolve().parent
-COLUMNS = ["name", "model", "batch_size", "input_shape", "seq_len", "precision", "optimizer",
-           "checkpointing", "grad_accum", "mode", "device", "status"]
+COLUMNS = [
+    "name",
+    "model",
+    "batch_size",
+    "input_shape",
+    "seq_len",
+    "precision",
+    "optimizer",
+    "checkpointing",
+    "grad_accum",
+    "mode",
+    "device",
+    "status",
+]
 for _figure in FIGURES:
     COLUMNS += [f"estimate_{_figure}", f"measured_{_figure}", f"error_{_figure}"]
 COLUMNS += ["estimate_seconds", "measure_seconds", "torch", "cuda", "driver", "gpu"]
@@ -42,10 +54,15 @@ def load_workloads(path: Path = HERE / "workloads.csv") -> list[dict]:
 
 def recipe_of(row: dict) -> Recipe:
     return Recipe(
-        batch_size=int(row["batch_size"]), seq_len=int(row["seq_len"]) if row["seq_len"] else None,
+        batch_size=int(row["batch_size"]),
+        seq_len=int(row["seq_len"]) if row["seq_len"] else None,
         input_shape=parse_shape(row["input_shape"]) if row["input_shape"] else None,
-        precision=row["precision"], optimizer=row["optimizer"],
-        checkpointing=row["checkpointing"], grad_accum=int(row["grad_accum"]), mode=row["mode"])
+        precision=row["precision"],
+        optimizer=row["optimizer"],
+        checkpointing=row["checkpointing"],
+        grad_accum=int(row["grad_accum"]),
+        mode=row["mode"],
+    )
 
 
 def run_one(row: dict, device: str) -> dict:
@@ -59,11 +76,16 @@ def run_one(row: dict, device: str) -> dict:
         return out
     out["status"] = "oom" if result.measured.oom else "ok"
     peak = result.estimate.peak
-    estimates = {"allocated": peak.allocated_bytes, "reserved": peak.reserved_bytes,
-                 "device_total": peak.device_total_bytes}
-    measured = {"allocated": result.measured.allocated_bytes,
-                "reserved": result.measured.reserved_bytes,
-                "device_total": result.measured.device_total_bytes}
+    estimates = {
+        "allocated": peak.allocated_bytes,
+        "reserved": peak.reserved_bytes,
+        "device_total": peak.device_total_bytes,
+    }
+    measured = {
+        "allocated": result.measured.allocated_bytes,
+        "reserved": result.measured.reserved_bytes,
+        "device_total": result.measured.device_total_bytes,
+    }
     for figure in FIGURES:
         if measured[figure]:
             out[f"estimate_{figure}"] = estimates[figure]
@@ -71,25 +93,35 @@ def run_one(row: dict, device: str) -> dict:
             out[f"error_{figure}"] = result.errors.get(figure)
     out["measure_seconds"] = round(time.perf_counter() - start, 2)
     versions = result.measured.versions
-    out.update({"torch": torch.__version__, "cuda": versions.get("cuda", ""),
-                "driver": versions.get("driver", ""), "gpu": versions.get("gpu", platform.processor()
-                                                                          or "cpu")})
+    out.update(
+        {
+            "torch": torch.__version__,
+            "cuda": versions.get("cuda", ""),
+            "driver": versions.get("driver", ""),
+            "gpu": versions.get("gpu", platform.processor() or "cpu"),
+        }
+    )
     return out
 
 
 def summarise(rows: list[dict]) -> list[str]:
-    lines = ["| figure | workloads | median abs error | p95 abs error | worst under-prediction |",
-             "| --- | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| figure | workloads | median abs error | p95 abs error | worst under-prediction |",
+        "| --- | ---: | ---: | ---: | ---: |",
+    ]
     for figure in FIGURES:
-        errors = [float(r[f"error_{figure}"]) for r in rows
-                  if r.get(f"error_{figure}") not in (None, "")]
+        errors = [
+            float(r[f"error_{figure}"]) for r in rows if r.get(f"error_{figure}") not in (None, "")
+        ]
         if not errors:
             continue
         absolute = sorted(abs(e) for e in errors)
         p95 = absolute[min(len(absolute) - 1, round(0.95 * (len(absolute) - 1)))]
         worst = min(errors)
-        lines.append(f"| {figure} | {len(errors)} | {statistics.median(absolute):.2%} | "
-                     f"{p95:.2%} | {min(worst, 0.0):+.2%} |")
+        lines.append(
+            f"| {figure} | {len(errors)} | {statistics.median(absolute):.2%} | "
+            f"{p95:.2%} | {min(worst, 0.0):+.2%} |"
+        )
     return lines
 
 
@@ -110,8 +142,11 @@ def main() -> None:
         result = run_one(row, options.device)
         rows.append(result)
         error = result.get("error_allocated")
-        print(f"{row['name']:<28} {result['status']:<6} allocated error "
-              f"{'' if error is None else f'{float(error):+.2%}'}", flush=True)
+        print(
+            f"{row['name']:<28} {result['status']:<6} allocated error "
+            f"{'' if error is None else f'{float(error):+.2%}'}",
+            flush=True,
+        )
     stamp = datetime.date.today().isoformat()
     options.output.mkdir(parents=True, exist_ok=True)
     label = rows[0]["gpu"].replace(" ", "_") if options.device == "cuda" and rows else "cpu"
@@ -121,8 +156,10 @@ def main() -> None:
         writer.writeheader()
         writer.writerows(rows)
     summary = summarise([r for r in rows if r["status"] == "ok"])
-    header = (f"Accuracy study on {options.device} ({label}), torch {torch.__version__}, "
-              f"{stamp}: {sum(r['status'] == 'ok' for r in rows)} of {len(rows)} workloads ran.")
+    header = (
+        f"Accuracy study on {options.device} ({label}), torch {torch.__version__}, "
+        f"{stamp}: {sum(r['status'] == 'ok' for r in rows)} of {len(rows)} workloads ran."
+    )
     path.with_suffix(".md").write_text("\n".join([header, "", *summary, ""]))
     print("\n".join([header, *summary]))
     print(f"wrote {path}")

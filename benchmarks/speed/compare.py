@@ -41,8 +41,11 @@ def memtracker_peak(spec: str, recipe: Recipe) -> tuple[float, int]:
     with FakeTensorMode():
         materialize(built.model)
         params = unique_parameters(built.model)
-        optimizer = torch.optim.AdamW(params, foreach=True) if recipe.optimizer == "adamw" \
+        optimizer = (
+            torch.optim.AdamW(params, foreach=True)
+            if recipe.optimizer == "adamw"
             else torch.optim.SGD(params, lr=0.1)
+        )
         batch = built.make_batch(recipe.batch_size, torch.float32)
         tracker = MemTracker()
         tracker.track_external(built.model, optimizer)
@@ -61,8 +64,11 @@ def memtracker_peak(spec: str, recipe: Recipe) -> tuple[float, int]:
 def vramplan_peak(spec: str, recipe: Recipe) -> tuple[float, int, int]:
     start = time.perf_counter()
     estimate = estimate_built(resolve(spec, recipe), recipe, "cuda")
-    return (time.perf_counter() - start, estimate.details["tensor_allocated_bytes"],
-            estimate.peak.reserved_bytes)
+    return (
+        time.perf_counter() - start,
+        estimate.details["tensor_allocated_bytes"],
+        estimate.peak.reserved_bytes,
+    )
 
 
 def main() -> None:
@@ -70,19 +76,23 @@ def main() -> None:
     parser.add_argument("--only")
     options = parser.parse_args()
     warm = Recipe(batch_size=1, optimizer="sgd")  # first-call costs (imports, caches) are paid
-    vramplan_peak("torchvision:resnet18", warm)   # here, outside the timings
+    vramplan_peak("torchvision:resnet18", warm)  # here, outside the timings
     memtracker_peak("torchvision:resnet18", warm)
-    print("| workload | vramplan s | MemTracker s | ratio | vramplan allocated MiB | "
-          "MemTracker MiB | vramplan reserved MiB |")
+    print(
+        "| workload | vramplan s | MemTracker s | ratio | vramplan allocated MiB | "
+        "MemTracker MiB | vramplan reserved MiB |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
     for name, spec, recipe in WORKLOADS:
         if options.only and options.only not in name:
             continue
         ours, allocated, reserved = vramplan_peak(spec, recipe)
         theirs, tracked = memtracker_peak(spec, recipe)
-        print(f"| {name} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} | "
-              f"{allocated / 2**20:.0f} | {tracked / 2**20:.0f} | {reserved / 2**20:.0f} |",
-              flush=True)
+        print(
+            f"| {name} | {ours:.2f} | {theirs:.2f} | {ours / theirs:.2f} | "
+            f"{allocated / 2**20:.0f} | {tracked / 2**20:.0f} | {reserved / 2**20:.0f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

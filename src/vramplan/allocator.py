@@ -65,7 +65,9 @@ class AllocatorConfig:
             if key == "max_split_size_mb":
                 mb = _number(key, value)
                 if mb < LARGE_BUFFER // MB:
-                    raise UserError(f"alloc conf: max_split_size_mb must be at least 20, got {value}")
+                    raise UserError(
+                        f"alloc conf: max_split_size_mb must be at least 20, got {value}"
+                    )
                 values["max_split_size"] = int(mb * MB)
             elif key == "max_non_split_rounding_mb":
                 values["max_non_split_rounding"] = int(_number(key, value) * MB)
@@ -77,14 +79,21 @@ class AllocatorConfig:
                 threshold = _number(key, value)
                 if not 0.0 < threshold < 1.0:
                     raise UserError(
-                        f"alloc conf: garbage_collection_threshold must be in (0, 1), got {value}")
+                        f"alloc conf: garbage_collection_threshold must be in (0, 1), got {value}"
+                    )
                 values["garbage_collection_threshold"] = threshold
             elif key == "backend":
                 if value not in ("native", "cudaMallocAsync"):
-                    raise UserError(f"alloc conf: backend must be native or cudaMallocAsync, got {value}")
+                    raise UserError(
+                        f"alloc conf: backend must be native or cudaMallocAsync, got {value}"
+                    )
                 values["backend"] = value
-            elif key in ("release_lock_on_cudamalloc", "pinned_use_cuda_host_register",
-                         "pinned_num_register_threads", "pinned_use_background_threads"):
+            elif key in (
+                "release_lock_on_cudamalloc",
+                "pinned_use_cuda_host_register",
+                "pinned_num_register_threads",
+                "pinned_use_background_threads",
+            ):
                 continue  # no effect on device memory
             else:
                 raise UserError(f"alloc conf: unknown option {key!r}")
@@ -136,9 +145,13 @@ def _division(value: str) -> int:
     try:
         number = int(value)
     except ValueError:
-        raise UserError(f"alloc conf: roundup_power2_divisions needs integers, got {value!r}") from None
+        raise UserError(
+            f"alloc conf: roundup_power2_divisions needs integers, got {value!r}"
+        ) from None
     if number != 0 and not _is_power_of_two(number):
-        raise UserError(f"alloc conf: roundup_power2_divisions must be 0 or a power of 2, got {number}")
+        raise UserError(
+            f"alloc conf: roundup_power2_divisions must be 0 or a power of 2, got {number}"
+        )
     return number
 
 
@@ -161,7 +174,9 @@ def _parse_divisions(value: str) -> tuple[int, ...]:
             continue
         megabytes = int(_number("roundup_power2_divisions", key))
         if not _is_power_of_two(megabytes):
-            raise UserError(f"alloc conf: roundup_power2_divisions sizes must be powers of 2, got {key}")
+            raise UserError(
+                f"alloc conf: roundup_power2_divisions sizes must be powers of 2, got {key}"
+            )
         index = min(megabytes.bit_length() - 1, ROUNDUP_INTERVALS - 1)
         if first:
             for lower in range(index):
@@ -439,8 +454,11 @@ class CachingAllocator:
         self.stats.num_device_free += 1
 
     def _whole_free_segments(self) -> list[Segment]:
-        return [s for s in self.segments
-                if s.first is not None and s.first.next is None and not s.first.allocated]
+        return [
+            s
+            for s in self.segments
+            if s.first is not None and s.first.next is None and not s.first.allocated
+        ]
 
     def _release_oversize(self, pool: _Pool, rounded: int) -> bool:
         """With ``max_split_size`` set: free one cached oversize segment big enough, or the
@@ -450,8 +468,11 @@ class CachingAllocator:
             return False
         wanted = max(rounded, limit)
         candidates = sorted(
-            (s for s in self._whole_free_segments()
-             if (s.small == (pool is self.small)) and s.size >= limit),
+            (
+                s
+                for s in self._whole_free_segments()
+                if (s.small == (pool is self.small)) and s.size >= limit
+            ),
             key=lambda s: (s.size, s.address),
         )
         fitting = [s for s in candidates if s.size >= wanted]
@@ -524,8 +545,9 @@ class ReplayResult:
         return self.stats.peak_reserved - self.stats.allocated_at_peak_reserved
 
 
-def replay(requests: list[Request], config: AllocatorConfig,
-           capacity: int | None = None) -> ReplayResult:
+def replay(
+    requests: list[Request], config: AllocatorConfig, capacity: int | None = None
+) -> ReplayResult:
     """Feed requests to a simulated allocator; stop at the first out-of-memory error.
 
     >>> result = replay([Request(0, 3 * 2**20, True), Request(0, 3 * 2**20, False)],

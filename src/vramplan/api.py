@@ -1,9 +1,8 @@
 """The Python API: ``estimate()`` for a named model or an ``nn.Module``.
 
->>> import vramplan
->>> est = vramplan.estimate("torchvision:resnet50", batch_size=32, optimizer="sgd")  # doctest: +SKIP
->>> est.components["gradients"] == est.model.parameter_bytes                        # doctest: +SKIP
-True
+    import vramplan
+    est = vramplan.estimate("torchvision:resnet50", batch_size=32, optimizer="sgd")
+    est.components["gradients"] == est.model.parameter_bytes   # True
 """
 
 from __future__ import annotations
@@ -23,8 +22,8 @@ from vramplan.optimizers import MODELLED
 from vramplan.sources import BuiltModel, resolve
 from vramplan.sources.user_code import meta_copy, module_source
 from vramplan.summarize import summarize_trace
-from vramplan.trace.materialize import unique_parameters
 from vramplan.trace.events import Trace
+from vramplan.trace.materialize import unique_parameters
 from vramplan.trace.policy import DevicePolicy, policy_for
 from vramplan.trace.step import trace_step_function, trace_training
 from vramplan.workload import Recipe
@@ -54,7 +53,10 @@ def estimate_built(
 
 
 def trace_and_estimate(
-    built: BuiltModel, recipe: Recipe, target: str = "cuda", device: DeviceOptions | None = None,
+    built: BuiltModel,
+    recipe: Recipe,
+    target: str = "cuda",
+    device: DeviceOptions | None = None,
     policy: DevicePolicy | None = None,
 ) -> tuple[Estimate, Trace]:
     """``estimate_built`` that also returns the trace (to judge it on other cards)."""
@@ -70,8 +72,12 @@ def trace_and_estimate(
 
 
 def device_options(
-    gpu: str | None = None, gpu_memory: str | None = None, headroom: float = 0.10,
-    alloc_conf: str | None = None, cudnn_benchmark: bool = False, data_parallel: int = 1,
+    gpu: str | None = None,
+    gpu_memory: str | None = None,
+    headroom: float = 0.10,
+    alloc_conf: str | None = None,
+    cudnn_benchmark: bool = False,
+    data_parallel: int = 1,
     profile: str | None = None,
 ) -> DeviceOptions:
     """Validated device options from names (``gpu="a100"`` or ``gpu_memory="24GiB"``); a
@@ -80,9 +86,14 @@ def device_options(
         raise UserError("give either --gpu or --gpu-memory, not both")
     card = lookup_gpu(gpu) if gpu else gpu_from_memory(gpu_memory) if gpu_memory else None
     measured = load_profile(profile) if profile else profile_for(card.name) if gpu else None
-    return DeviceOptions(gpu=card, headroom=headroom, alloc_conf=alloc_conf,
-                         cudnn_benchmark=cudnn_benchmark, data_parallel=data_parallel,
-                         profile=measured)
+    return DeviceOptions(
+        gpu=card,
+        headroom=headroom,
+        alloc_conf=alloc_conf,
+        cudnn_benchmark=cudnn_benchmark,
+        data_parallel=data_parallel,
+        profile=measured,
+    )
 
 
 def estimate_from_trace(
@@ -100,12 +111,16 @@ def estimate_from_trace(
         top_modules=summary.top_modules,
         timeline=summary.timeline,
         notes=tuple(notes),
-        details={"target": target, "traced_events": trace.event_count,
-                 "input_bytes": sum(a.nbytes for a in trace.allocations
-                                    if a.category == "inputs"),
-                 "optimizer_state_bytes": sum(a.nbytes for a in trace.allocations
-                                              if a.category == "optimizer_state"
-                                              and a.free_index is None)},
+        details={
+            "target": target,
+            "traced_events": trace.event_count,
+            "input_bytes": sum(a.nbytes for a in trace.allocations if a.category == "inputs"),
+            "optimizer_state_bytes": sum(
+                a.nbytes
+                for a in trace.allocations
+                if a.category == "optimizer_state" and a.free_index is None
+            ),
+        },
     )
 
 
@@ -140,8 +155,14 @@ def estimate(
     """
     device = device_options(gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark)
     recipe = Recipe(
-        batch_size=batch_size, seq_len=seq_len, input_shape=input_shape, precision=precision,
-        optimizer=optimizer, checkpointing=checkpointing, grad_accum=grad_accum, mode=mode,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        input_shape=input_shape,
+        precision=precision,
+        optimizer=optimizer,
+        checkpointing=checkpointing,
+        grad_accum=grad_accum,
+        mode=mode,
     )
     if isinstance(model, nn.Module):
         built = module_source(model, recipe, type(model).__name__, example_batch, loss_fn)
@@ -188,17 +209,25 @@ def estimate_step(
     label = name or f"{type(model).__name__} step"
     meta_model = meta_copy(model)
     batch_size = _leading_dim(batch)
-    recipe = Recipe(batch_size=batch_size, precision=precision, optimizer="none", extras={
-        "step_function": getattr(step_fn, "__name__", "step"),
-        "optimizer": "user-defined" if optimizer is not None else "none",
-    })
+    recipe = Recipe(
+        batch_size=batch_size,
+        precision=precision,
+        optimizer="none",
+        extras={
+            "step_function": getattr(step_fn, "__name__", "step"),
+            "optimizer": "user-defined" if optimizer is not None else "none",
+        },
+    )
     policy = policy_for(target)
-    trace = trace_step_function(step_fn, meta_model, batch, optimizer, policy, recipe,
-                                iterations, label)
+    trace = trace_step_function(
+        step_fn, meta_model, batch, optimizer, policy, recipe, iterations, label
+    )
     device = device_options(gpu, gpu_memory, headroom)
     params = list({id(p): p for p in meta_model.parameters()}.values())
     info = ModelInfo(
-        name=label, architecture=type(model).__name__, kind="custom",
+        name=label,
+        architecture=type(model).__name__,
+        kind="custom",
         parameters=sum(p.numel() for p in params),
         trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
         parameter_bytes=sum(p.numel() * p.element_size() for p in params),

@@ -104,6 +104,12 @@ def calibrate_device() -> DeviceProfile:
         name = lookup_gpu(props.name.replace("NVIDIA ", "")).name
     except UserError:
         name = props.name
-    return DeviceProfile(gpu=name, total_bytes=props.total_memory, driver=_driver_version(),
-                         cuda=torch.version.cuda or "", torch=torch.__version__,
-                         cuda_context_bytes=context, cublas_workspace_bytes=workspace)
+    return DeviceProfile(
+        gpu=name,
+        total_bytes=props.total_memory,
+        driver=_driver_version(),
+        cuda=torch.version.cuda or "",
+        torch=torch.__version__,
+        cuda_context_bytes=context,
+        cublas_workspace_bytes=workspace,
+    )

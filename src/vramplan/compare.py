@@ -1,7 +1,7 @@
 """Put an estimate beside a measurement of the same step: relative errors per figure.
 
-    >>> relative_error(110, 100)
-    0.1
+>>> relative_error(110, 100)
+0.1
 """
 
 from __future__ import annotations
@@ -35,9 +35,13 @@ class Comparison:
     leak: LeakReport
 
     def to_json(self) -> dict:
-        return {"schema": "vramplan.measure/1", "estimate": self.estimate.to_json(timeline=False),
-                "measured": self.measured.to_json(), "errors": self.errors,
-                "leak": self.leak.to_json()}
+        return {
+            "schema": "vramplan.measure/1",
+            "estimate": self.estimate.to_json(timeline=False),
+            "measured": self.measured.to_json(),
+            "errors": self.errors,
+            "leak": self.leak.to_json(),
+        }
 
 
 def errors_of(estimate: Estimate, measured: Measurement) -> dict[str, float]:
@@ -47,8 +51,11 @@ def errors_of(estimate: Estimate, measured: Measurement) -> dict[str, float]:
         "reserved": (estimate.peak.reserved_bytes, measured.reserved_bytes),
         "device_total": (estimate.peak.device_total_bytes, measured.device_total_bytes),
     }
-    return {name: relative_error(est, real) for name, (est, real) in pairs.items()
-            if est is not None and real}
+    return {
+        name: relative_error(est, real)
+        for name, (est, real) in pairs.items()
+        if est is not None and real
+    }
 
 
 def _local_gpu() -> dict:
@@ -61,19 +68,29 @@ def _local_gpu() -> dict:
         return {"gpu_memory": f"{props.total_memory}B"}
 
 
-def measure_and_compare(model: str, recipe: Recipe, device: str | None = None, steps: int = 3,
-                        snapshot: str | None = None, alloc_conf: str | None = None) -> Comparison:
+def measure_and_compare(
+    model: str,
+    recipe: Recipe,
+    device: str | None = None,
+    steps: int = 3,
+    snapshot: str | None = None,
+    alloc_conf: str | None = None,
+) -> Comparison:
     """Estimate ``model`` for the device it will run on, run it, and compare."""
     device = check_device(device, steps)
     if device == "cuda":
-        options = device_options(alloc_conf=alloc_conf, **_local_gpu()) \
-            if _has_cuda() else device_options(alloc_conf=alloc_conf)
+        options = (
+            device_options(alloc_conf=alloc_conf, **_local_gpu())
+            if _has_cuda()
+            else device_options(alloc_conf=alloc_conf)
+        )
         estimate = estimate_built(resolve(model, recipe), recipe, "cuda", options)
     else:
         estimate = estimate_built(resolve(model, recipe), recipe, "cpu")
     measured = measure_built(resolve(model, recipe, device), recipe, device, steps, snapshot)
-    return Comparison(estimate, measured, errors_of(estimate, measured),
-                      check_leak(measured.after_step_bytes))
+    return Comparison(
+        estimate, measured, errors_of(estimate, measured), check_leak(measured.after_step_bytes)
+    )
 
 
 def _has_cuda() -> bool:

@@ -60,31 +60,48 @@ def _first_index(trace: Trace, phase: str) -> int | None:
     return None if mark is None else mark.index
 
 
-def _workspace(id_: int, nbytes: int, index: int, phase: str, iteration: int, op: str,
-               free_index: int | None) -> Allocation:
-    return Allocation(id=id_, nbytes=nbytes, category="temporaries", phase=phase,
-                      iteration=iteration, module="", op=op, alloc_index=index,
-                      free_index=free_index)
+def _workspace(
+    id_: int, nbytes: int, index: int, phase: str, iteration: int, op: str, free_index: int | None
+) -> Allocation:
+    return Allocation(
+        id=id_,
+        nbytes=nbytes,
+        category="temporaries",
+        phase=phase,
+        iteration=iteration,
+        module="",
+        op=op,
+        alloc_index=index,
+        free_index=free_index,
+    )
 
 
 def device_trace(trace: Trace, gpu: GpuSpec, cudnn_benchmark: bool) -> Trace:
     """The trace as the GPU sees it: cuBLAS/cuBLASLt workspaces created at the first matmul
     of forward and of backward (one handle per thread, kept), and a transient cuDNN
     workspace around every convolution."""
-    allocations = [replace(a, alloc_index=a.alloc_index * SPREAD,
-                           free_index=None if a.free_index is None else a.free_index * SPREAD)
-                   for a in trace.allocations]
+    allocations = [
+        replace(
+            a,
+            alloc_index=a.alloc_index * SPREAD,
+            free_index=None if a.free_index is None else a.free_index * SPREAD,
+        )
+        for a in trace.allocations
+    ]
     next_id = max((a.id for a in trace.allocations), default=-1) + 1
     for phase in ("forward", "backward"):
         start = _first_index(trace, phase)
         if start is None or not uses_matmul(trace, phase):
             continue
         iteration = trace.phase_at(start).iteration
-        for op, nbytes in (("cublas_workspace", cublas_workspace_bytes(gpu)),
-                           ("cublaslt_workspace", cublaslt_workspace_bytes(gpu))):
+        for op, nbytes in (
+            ("cublas_workspace", cublas_workspace_bytes(gpu)),
+            ("cublaslt_workspace", cublaslt_workspace_bytes(gpu)),
+        ):
             if nbytes:
-                allocations.append(_workspace(next_id, nbytes, start * SPREAD - 1, phase,
-                                              iteration, op, None))
+                allocations.append(
+                    _workspace(next_id, nbytes, start * SPREAD - 1, phase, iteration, op, None)
+                )
                 next_id += 1
     ratio = conv_workspace_ratio(cudnn_benchmark)
     for marker in trace.markers:
@@ -92,13 +109,25 @@ def device_trace(trace: Trace, gpu: GpuSpec, cudnn_benchmark: bool) -> Trace:
         if nbytes:
             index = marker.index * SPREAD + 1
             mark = trace.phase_at(marker.index)
-            allocations.append(_workspace(next_id, nbytes, index, marker.phase, mark.iteration,
-                                          "cudnn_workspace", index + 1))
+            allocations.append(
+                _workspace(
+                    next_id,
+                    nbytes,
+                    index,
+                    marker.phase,
+                    mark.iteration,
+                    "cudnn_workspace",
+                    index + 1,
+                )
+            )
             next_id += 1
-    phases = tuple(PhaseMark(max(0, m.index * SPREAD - 1) if m.index else 0, m.phase, m.iteration)
-                   for m in trace.phases)
-    return replace(trace, allocations=tuple(allocations), phases=phases,
-                   event_count=trace.event_count * SPREAD)
+    phases = tuple(
+        PhaseMark(max(0, m.index * SPREAD - 1) if m.index else 0, m.phase, m.iteration)
+        for m in trace.phases
+    )
+    return replace(
+        trace, allocations=tuple(allocations), phases=phases, event_count=trace.event_count * SPREAD
+    )
 
 
 def requests_of(trace: Trace) -> list[Request]:
@@ -106,8 +135,9 @@ def requests_of(trace: Trace) -> list[Request]:
     return [Request(e.allocation.id, e.allocation.nbytes, e.is_alloc) for e in trace.events()]
 
 
-def judge(gpu: str, capacity: int, headroom: float, device_total: int,
-          allocator_oom: bool | None = None) -> Verdict:
+def judge(
+    gpu: str, capacity: int, headroom: float, device_total: int, allocator_oom: bool | None = None
+) -> Verdict:
     """FITS under the headroom line, TIGHT in the headroom, OOM past the card — or when
     the allocator simulation could not serve the step within the card (``allocator_oom``;
     ``None`` when it was not run, then the device total alone decides)."""
@@ -118,8 +148,14 @@ def judge(gpu: str, capacity: int, headroom: float, device_total: int,
         status = "tight"
     else:
         status = "fits"
-    return Verdict(gpu=gpu, capacity_bytes=capacity, headroom=headroom, status=status,
-                   compared_bytes=device_total, usable_bytes=usable)
+    return Verdict(
+        gpu=gpu,
+        capacity_bytes=capacity,
+        headroom=headroom,
+        status=status,
+        compared_bytes=device_total,
+        usable_bytes=usable,
+    )
 
 
 def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Estimate:
@@ -131,8 +167,13 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
     on_device = device_trace(trace, gpu, options.cudnn_benchmark)
     requests = requests_of(on_device)
     unlimited = replay(requests, config)
-    rounded = replace(on_device, allocations=tuple(
-        replace(a, nbytes=unlimited.block_sizes.get(a.id, a.nbytes)) for a in on_device.allocations))
+    rounded = replace(
+        on_device,
+        allocations=tuple(
+            replace(a, nbytes=unlimited.block_sizes.get(a.id, a.nbytes))
+            for a in on_device.allocations
+        ),
+    )
     summary = summarize_trace(rounded, trace.module_kinds)
     outside = outside_allocator(trace, gpu, options.data_parallel, options.profile)
     stats = unlimited.stats
@@ -155,18 +196,25 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
     runtime = {**outside.to_json(), **workspaces, "cudnn_workspace_largest": max(conv, default=0)}
     notes = list(estimate.notes)
     if options.profile is not None:
-        notes.append(f"runtime figures from the calibrated profile of {options.profile.gpu} "
-                     f"(driver {options.profile.driver}, CUDA {options.profile.cuda}, "
-                     f"torch {options.profile.torch})")
+        notes.append(
+            f"runtime figures from the calibrated profile of {options.profile.gpu} "
+            f"(driver {options.profile.driver}, CUDA {options.profile.cuda}, "
+            f"torch {options.profile.torch})"
+        )
     if options.gpu is None:
-        notes.append(f"no --gpu given: reserved and device totals emulate an {gpu.name} "
-                     f"({gpu.arch}) runtime")
+        notes.append(
+            f"no --gpu given: reserved and device totals emulate an {gpu.name} ({gpu.arch}) runtime"
+        )
     if conv:
-        notes.append("cuDNN convolution workspaces are a heuristic (a fraction of each "
-                     "convolution's tensors); calibrate on your GPU to replace it")
+        notes.append(
+            "cuDNN convolution workspaces are a heuristic (a fraction of each "
+            "convolution's tensors); calibrate on your GPU to replace it"
+        )
     if retries:
-        notes.append(f"fits only after the allocator frees its cache and retries ({retries}x): "
-                     "expect slow steps")
+        notes.append(
+            f"fits only after the allocator frees its cache and retries ({retries}x): "
+            "expect slow steps"
+        )
     peak = replace(
         summary.peak,
         reserved_bytes=stats.peak_reserved,
@@ -174,16 +222,20 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
         fragmentation_bytes=unlimited.fragmentation,
     )
     details = dict(estimate.details)
-    details.update({
-        "gpu": gpu.to_json(),
-        "alloc_conf": options.alloc_conf or "",
-        "tensor_allocated_bytes": estimate.peak.allocated_bytes,
-        "tensor_components": dict(estimate.components),
-        "allocator": {"segments_allocated": stats.num_device_alloc,
-                      "reserved_at_allocated_peak": stats.reserved_at_peak_allocated,
-                      "allocated_at_reserved_peak": stats.allocated_at_peak_reserved,
-                      "alloc_retries": retries},
-    })
+    details.update(
+        {
+            "gpu": gpu.to_json(),
+            "alloc_conf": options.alloc_conf or "",
+            "tensor_allocated_bytes": estimate.peak.allocated_bytes,
+            "tensor_components": dict(estimate.components),
+            "allocator": {
+                "segments_allocated": stats.num_device_alloc,
+                "reserved_at_allocated_peak": stats.reserved_at_peak_allocated,
+                "allocated_at_reserved_peak": stats.allocated_at_peak_reserved,
+                "alloc_retries": retries,
+            },
+        }
+    )
     return replace(
         estimate,
         peak=peak,
@@ -193,7 +245,8 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
         timeline=summary.timeline,
         runtime=runtime,
         verdict=judge(gpu.name, gpu.total_bytes, options.headroom, device_total, oom)
-        if options.gpu else None,
+        if options.gpu
+        else None,
         notes=tuple(notes),
         details=details,
     )

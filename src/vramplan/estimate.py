@@ -19,7 +19,13 @@ from vramplan.workload import Recipe
 SCHEMA = "vramplan.estimate/1"
 
 COMPONENTS = (
-    "parameters", "buffers", "gradients", "optimizer_state", "activations", "temporaries", "inputs",
+    "parameters",
+    "buffers",
+    "gradients",
+    "optimizer_state",
+    "activations",
+    "temporaries",
+    "inputs",
 )
 PHASES = ("setup", "forward", "backward", "optimizer")
 
@@ -126,8 +132,11 @@ class TimelinePoint:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "index": self.index, "phase": self.phase, "iteration": self.iteration,
-            "total": self.total, "components": self.components,
+            "index": self.index,
+            "phase": self.phase,
+            "iteration": self.iteration,
+            "total": self.total,
+            "components": self.components,
         }
 
 

@@ -33,8 +33,13 @@ class GpuSpec:
     aliases: tuple[str, ...] = ()
 
     def to_json(self) -> dict:
-        return {"name": self.name, "total_bytes": self.total_bytes, "arch": self.arch,
-                "family": self.family, "vendor": self.vendor}
+        return {
+            "name": self.name,
+            "total_bytes": self.total_bytes,
+            "arch": self.arch,
+            "family": self.family,
+            "vendor": self.vendor,
+        }
 
 
 def _key(name: str) -> str:
@@ -50,8 +55,14 @@ def catalog() -> tuple[GpuSpec, ...]:
     """Every GPU in the bundled catalog (``data/gpus.json``)."""
     data = json.loads((resources.files("vramplan") / "data" / "gpus.json").read_text())
     return tuple(
-        GpuSpec(name=g["name"], total_bytes=g["total_bytes"], arch=g["arch"], family=g["family"],
-                vendor=g["vendor"], aliases=tuple(g["aliases"]))
+        GpuSpec(
+            name=g["name"],
+            total_bytes=g["total_bytes"],
+            arch=g["arch"],
+            family=g["family"],
+            vendor=g["vendor"],
+            aliases=tuple(g["aliases"]),
+        )
         for g in data["gpus"]
     )
 

@@ -1,9 +1,9 @@
 """Is memory still growing after the optimizer state exists? A leak check over steps.
 
-    >>> check_leak((100, 180, 180, 180)).leaking
-    False
-    >>> check_leak((100_000, 180_000, 260_000, 340_000)).leaking
-    True
+>>> check_leak((100, 180, 180, 180)).leaking
+False
+>>> check_leak((100_000, 180_000, 260_000, 340_000)).leaking
+True
 """
 
 from __future__ import annotations
@@ -27,9 +27,12 @@ class LeakReport:
         return self.growth_per_step[-1] if self.growth_per_step else 0
 
     def to_json(self) -> dict:
-        return {"after_step_bytes": list(self.after_step_bytes),
-                "growth_per_step": list(self.growth_per_step), "leaking": self.leaking,
-                "bytes_per_step": self.bytes_per_step}
+        return {
+            "after_step_bytes": list(self.after_step_bytes),
+            "growth_per_step": list(self.growth_per_step),
+            "leaking": self.leaking,
+            "bytes_per_step": self.bytes_per_step,
+        }
 
 
 def check_leak(after_step_bytes: tuple[int, ...]) -> LeakReport:

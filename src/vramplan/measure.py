@@ -45,9 +45,12 @@ class Measurement:
     versions: dict = field(default_factory=dict)
 
     def to_json(self) -> dict:
-        data = {"device": self.device, "steps": self.steps,
-                "allocated_bytes": self.allocated_bytes,
-                "after_step_bytes": list(self.after_step_bytes)}
+        data = {
+            "device": self.device,
+            "steps": self.steps,
+            "allocated_bytes": self.allocated_bytes,
+            "after_step_bytes": list(self.after_step_bytes),
+        }
         for name in ("reserved_bytes", "device_total_bytes", "rss_bytes", "oom", "snapshot"):
             if getattr(self, name) is not None:
                 data[name] = getattr(self, name)
@@ -84,8 +87,9 @@ class _PhaseClock:
         self.phase, self.iteration = phase, iteration
 
 
-def _run(built: BuiltModel, recipe: Recipe, device: str, steps: int, clock: _PhaseClock,
-         live: callable) -> None:
+def _run(
+    built: BuiltModel, recipe: Recipe, device: str, steps: int, clock: _PhaseClock, live: callable
+) -> None:
     model = built.model
     policy = CudaPolicy() if device == "cuda" else CpuPolicy()
     with torch.device(device):
@@ -103,8 +107,16 @@ def _run(built: BuiltModel, recipe: Recipe, device: str, steps: int, clock: _Pha
             return contextlib.nullcontext()
         return torch.autocast(device, dtype=getattr(torch, recipe.compute_dtype_name))
 
-    run_steps(built, model, batch, optimizer, recipe, autocast=autocast, iterations=steps,
-              mark_phase=lambda phase, iteration: clock.mark(phase, iteration, live()))
+    run_steps(
+        built,
+        model,
+        batch,
+        optimizer,
+        recipe,
+        autocast=autocast,
+        iterations=steps,
+        mark_phase=lambda phase, iteration: clock.mark(phase, iteration, live()),
+    )
     clock.mark("forward", steps + 1, live())
 
 
@@ -120,8 +132,13 @@ def check_device(device: str | None, steps: int = 1) -> str:
     return device
 
 
-def measure_built(built: BuiltModel, recipe: Recipe, device: str | None = None, steps: int = 3,
-                  snapshot: str | None = None) -> Measurement:
+def measure_built(
+    built: BuiltModel,
+    recipe: Recipe,
+    device: str | None = None,
+    steps: int = 3,
+    snapshot: str | None = None,
+) -> Measurement:
     """Run ``steps`` real steps of ``built`` on ``device`` and measure them."""
     device = check_device(device, steps)
     prepare_model_for(built, recipe)  # dtype and checkpointing, before anything is measured
@@ -166,8 +183,10 @@ def cpu_peak_of(run: callable) -> tuple[int, list[tuple[int, int]]]:
     (time, live bytes) series."""
     from torch.profiler import ProfilerActivity, profile
 
-    with _quiet_native_stderr(), profile(activities=[ProfilerActivity.CPU],
-                                         profile_memory=True) as prof:
+    with (
+        _quiet_native_stderr(),
+        profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
+    ):
         run()
     live = peak = 0
     series = []
@@ -208,9 +227,14 @@ def _measure_cpu(built: BuiltModel, recipe: Recipe, steps: int) -> Measurement:
         after.append(resident + (before_end[-1] if before_end else 0))
     peak += resident
     gc.collect()
-    return Measurement(device="cpu", steps=steps, allocated_bytes=peak,
-                       after_step_bytes=tuple(after), oom=oom,
-                       rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    return Measurement(
+        device="cpu",
+        steps=steps,
+        allocated_bytes=peak,
+        after_step_bytes=tuple(after),
+        oom=oom,
+        rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+    )
 
 
 def _nvml_used_bytes() -> int | None:
@@ -232,8 +256,9 @@ def _nvml_used_bytes() -> int | None:
         pynvml.nvmlShutdown()
 
 
-def _measure_cuda(built: BuiltModel, recipe: Recipe, steps: int, snapshot: str | None
-                  ) -> Measurement:
+def _measure_cuda(
+    built: BuiltModel, recipe: Recipe, steps: int, snapshot: str | None
+) -> Measurement:
     torch.cuda.init()
     torch.cuda.reset_peak_memory_stats()
     if snapshot:
@@ -256,12 +281,21 @@ def _measure_cuda(built: BuiltModel, recipe: Recipe, steps: int, snapshot: str |
     torch.cuda.empty_cache()
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return Measurement(
-        device=f"cuda:{props.name}", steps=steps, allocated_bytes=allocated,
-        after_step_bytes=tuple(clock.step_memory), reserved_bytes=reserved,
-        device_total_bytes=used, oom=oom, snapshot=snapshot,
-        versions={"gpu": props.name, "total_memory": props.total_memory,
-                  "cuda": torch.version.cuda or "", "torch": torch.__version__,
-                  "driver": _driver_version()},
+        device=f"cuda:{props.name}",
+        steps=steps,
+        allocated_bytes=allocated,
+        after_step_bytes=tuple(clock.step_memory),
+        reserved_bytes=reserved,
+        device_total_bytes=used,
+        oom=oom,
+        snapshot=snapshot,
+        versions={
+            "gpu": props.name,
+            "total_memory": props.total_memory,
+            "cuda": torch.version.cuda or "",
+            "torch": torch.__version__,
+            "driver": _driver_version(),
+        },
     )
 
 

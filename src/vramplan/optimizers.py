@@ -20,8 +20,13 @@ _LR = 1e-3
 class Lion(torch.optim.Optimizer):
     """Lion (Chen et al. 2023): one momentum buffer per parameter, updated in place."""
 
-    def __init__(self, params: Iterable[nn.Parameter], lr: float = 1e-4, betas=(0.9, 0.99),
-                 weight_decay: float = 0.0) -> None:
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        lr: float = 1e-4,
+        betas=(0.9, 0.99),
+        weight_decay: float = 0.0,
+    ) -> None:
         super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
 
     @torch.no_grad()
@@ -85,8 +90,9 @@ class AdafactorModel(torch.optim.Optimizer):
     answer, so the same algorithm is written here.)
     """
 
-    def __init__(self, params: Iterable[nn.Parameter], lr: float = 1e-2, beta2_decay=-0.8,
-                 eps: float = 1e-3) -> None:
+    def __init__(
+        self, params: Iterable[nn.Parameter], lr: float = 1e-2, beta2_decay=-0.8, eps: float = 1e-3
+    ) -> None:
         super().__init__(params, {"lr": lr, "beta2_decay": beta2_decay, "eps": eps})
 
     @torch.no_grad()
@@ -99,8 +105,9 @@ class AdafactorModel(torch.optim.Optimizer):
                 if not state:
                     if grad.dim() > 1:
                         state["row_var"] = grad.new_zeros(grad.shape[:-1]).unsqueeze(-1)
-                        state["col_var"] = grad.new_zeros(grad.shape[:-2] + grad.shape[-1:]
-                                                          ).unsqueeze(-2)
+                        state["col_var"] = grad.new_zeros(
+                            grad.shape[:-2] + grad.shape[-1:]
+                        ).unsqueeze(-2)
                     else:
                         state["variance"] = torch.zeros_like(grad)
                 if grad.dim() > 1:
@@ -115,15 +122,19 @@ class AdafactorModel(torch.optim.Optimizer):
         return None
 
 
-MODELLED = {"adafactor": "Adafactor with torch.optim.Adafactor's state layout (row/column "
-                         "second-moment factors), written here because PyTorch's step reads "
-                         "its counter with .item()",
-            "lion": "Lion (one momentum buffer, implemented here)",
-            "adam8bit": "8-bit Adam modelled on bitsandbytes' state layout (uint8 states, "
-                        "fp32 absmax per 256-element block), not bitsandbytes itself"}
+MODELLED = {
+    "adafactor": "Adafactor with torch.optim.Adafactor's state layout (row/column "
+    "second-moment factors), written here because PyTorch's step reads "
+    "its counter with .item()",
+    "lion": "Lion (one momentum buffer, implemented here)",
+    "adam8bit": "8-bit Adam modelled on bitsandbytes' state layout (uint8 states, "
+    "fp32 absmax per 256-element block), not bitsandbytes itself",
+}
 
 
-def build_optimizer(name: str, params: list[nn.Parameter], defaults: dict) -> torch.optim.Optimizer | None:
+def build_optimizer(
+    name: str, params: list[nn.Parameter], defaults: dict
+) -> torch.optim.Optimizer | None:
     """The optimizer for ``name`` over ``params``; ``defaults`` carries device policy flags."""
     params = [p for p in params if p.requires_grad]
     if name == "none" or not params:

@@ -20,8 +20,18 @@ from vramplan.calibrate import DeviceProfile
 from vramplan.gpus import GpuSpec
 from vramplan.trace.events import Trace
 
-_MATMULS = {"mm", "addmm", "bmm", "baddbmm", "matmul", "linear", "addmv", "mv",
-            "_scaled_mm", "addbmm"}
+_MATMULS = {
+    "mm",
+    "addmm",
+    "bmm",
+    "baddbmm",
+    "matmul",
+    "linear",
+    "addmv",
+    "mv",
+    "_scaled_mm",
+    "addbmm",
+}
 
 
 @cache
@@ -69,12 +79,17 @@ class OutsideAllocator:
         return self.cuda_context + self.cublas_kernels + self.cudnn_kernels + self.nccl
 
     def to_json(self) -> dict[str, int]:
-        return {"cuda_context": self.cuda_context, "cublas_kernels": self.cublas_kernels,
-                "cudnn_kernels": self.cudnn_kernels, "nccl": self.nccl}
+        return {
+            "cuda_context": self.cuda_context,
+            "cublas_kernels": self.cublas_kernels,
+            "cudnn_kernels": self.cudnn_kernels,
+            "nccl": self.nccl,
+        }
 
 
-def outside_allocator(trace: Trace, gpu: GpuSpec, data_parallel: int = 1,
-                      profile: DeviceProfile | None = None) -> OutsideAllocator:
+def outside_allocator(
+    trace: Trace, gpu: GpuSpec, data_parallel: int = 1, profile: DeviceProfile | None = None
+) -> OutsideAllocator:
     """The CUDA context (with the kernels the step loads lazily) and NCCL buffers; a
     calibrated profile's measured context (kernels included) replaces the table's."""
     table = runtime_table()
@@ -82,7 +97,8 @@ def outside_allocator(trace: Trace, gpu: GpuSpec, data_parallel: int = 1,
     if profile is not None:
         return OutsideAllocator(profile.cuda_context_bytes, 0, 0, nccl)
     context = table["cuda_context"]["by_family"].get(
-        gpu.family, table["cuda_context"]["default_bytes"])
+        gpu.family, table["cuda_context"]["default_bytes"]
+    )
     matmuls = uses_matmul(trace, "forward") or uses_matmul(trace, "backward")
     return OutsideAllocator(
         cuda_context=context,

@@ -65,7 +65,9 @@ def summarize_trace(trace: Trace, module_kinds: dict[str, str] | None = None) ->
         if total > peak_total:
             peak_total, peak_index, peak_components = total, event.index, dict(live)
     peak_mark = trace.phase_at(peak_index)
-    peak = Peak(allocated_bytes=max(peak_total, 0), phase=peak_mark.phase, iteration=peak_mark.iteration)
+    peak = Peak(
+        allocated_bytes=max(peak_total, 0), phase=peak_mark.phase, iteration=peak_mark.iteration
+    )
 
     by_module: dict[str, int] = defaultdict(int)
     for alloc in trace.live_at(peak_index):

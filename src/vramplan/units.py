@@ -24,11 +24,20 @@ _DECIMAL = [("GB", 1000**3), ("MB", 1000**2), ("kB", 1000)]
 
 _COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 _BYTE_SUFFIX = {
-    "": 1, "B": 1,
-    "K": 1024, "KB": 1000, "KIB": 1024,
-    "M": 1024**2, "MB": 1000**2, "MIB": 1024**2,
-    "G": 1024**3, "GB": 1000**3, "GIB": 1024**3,
-    "T": 1024**4, "TB": 1000**4, "TIB": 1024**4,
+    "": 1,
+    "B": 1,
+    "K": 1024,
+    "KB": 1000,
+    "KIB": 1024,
+    "M": 1024**2,
+    "MB": 1000**2,
+    "MIB": 1024**2,
+    "G": 1024**3,
+    "GB": 1000**3,
+    "GIB": 1024**3,
+    "T": 1024**4,
+    "TB": 1000**4,
+    "TIB": 1024**4,
 }
 _NUMBER = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([A-Za-z]*)\s*$")
 
@@ -46,7 +55,11 @@ def format_bytes(n: int, units: Units = "binary", digits: int = 1) -> str:
 
 def unit_name(units: Units) -> str:
     """Say which units the output uses, for a footer line."""
-    return "binary units (1 MiB = 2^20 bytes)" if units == "binary" else "decimal units (1 MB = 10^6 bytes)"
+    return (
+        "binary units (1 MiB = 2^20 bytes)"
+        if units == "binary"
+        else "decimal units (1 MB = 10^6 bytes)"
+    )
 
 
 def parse_count(text: str | int | float, what: str = "count") -> int:

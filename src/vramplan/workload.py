@@ -18,7 +18,16 @@ from vramplan.errors import UserError
 
 PRECISIONS = ("fp32", "fp16", "bf16", "amp-fp16", "amp-bf16")
 OPTIMIZERS = (
-    "sgd", "momentum", "adam", "adamw", "adagrad", "rmsprop", "adafactor", "lion", "adam8bit", "none",
+    "sgd",
+    "momentum",
+    "adam",
+    "adamw",
+    "adagrad",
+    "rmsprop",
+    "adafactor",
+    "lion",
+    "adam8bit",
+    "none",
 )
 CHECKPOINTING = ("none", "full")
 MODES = ("train", "infer")
@@ -62,7 +71,11 @@ class Recipe:
     extras: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.batch_size, int) or isinstance(self.batch_size, bool) or self.batch_size <= 0:
+        if (
+            not isinstance(self.batch_size, int)
+            or isinstance(self.batch_size, bool)
+            or self.batch_size <= 0
+        ):
             raise UserError(f"batch size must be a positive integer, got {self.batch_size}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len <= 0):
             raise UserError(f"sequence length must be a positive integer, got {self.seq_len}")
@@ -72,7 +85,9 @@ class Recipe:
                 raise UserError(f"input shape must be positive integers, got {self.input_shape}")
             object.__setattr__(self, "input_shape", shape)
         if not isinstance(self.grad_accum, int) or self.grad_accum <= 0:
-            raise UserError(f"gradient accumulation must be a positive integer, got {self.grad_accum}")
+            raise UserError(
+                f"gradient accumulation must be a positive integer, got {self.grad_accum}"
+            )
         object.__setattr__(self, "precision", _choice(self.precision, PRECISIONS, "precision"))
         object.__setattr__(self, "optimizer", _choice(self.optimizer, OPTIMIZERS, "optimizer"))
         object.__setattr__(self, "checkpointing", _checkpointing(self.checkpointing))
@@ -103,9 +118,12 @@ class Recipe:
     @property
     def compute_dtype_name(self) -> str:
         """The dtype matmuls run in."""
-        return {"fp16": "float16", "amp-fp16": "float16", "bf16": "bfloat16", "amp-bf16": "bfloat16"}.get(
-            self.precision, "float32"
-        )
+        return {
+            "fp16": "float16",
+            "amp-fp16": "float16",
+            "bf16": "bfloat16",
+            "amp-bf16": "bfloat16",
+        }.get(self.precision, "float32")
 
     def with_changes(self, **changes: Any) -> Recipe:
         """A copy with some knobs changed (validated again)."""
@@ -129,7 +147,9 @@ def parse_shape(text: str) -> tuple[int, ...]:
     try:
         shape = tuple(int(p) for p in parts)
     except ValueError:
-        raise UserError(f"cannot read shape {text!r}: use sizes joined by x, such as 3x224x224") from None
+        raise UserError(
+            f"cannot read shape {text!r}: use sizes joined by x, such as 3x224x224"
+        ) from None
     if not shape or any(d <= 0 for d in shape):
         raise UserError(f"cannot read shape {text!r}: every size must be a positive integer")
     return shape

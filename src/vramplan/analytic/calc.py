@@ -1,8 +1,8 @@
 """``vramplan calc``: the classic memory arithmetic, exactly.
 
-    >>> est = calculate(20_000_000, 32, 1_000_000, Recipe(precision="fp32", optimizer="none"))
-    >>> est.peak.allocated_bytes
-    288000000
+>>> est = calculate(20_000_000, 32, 1_000_000, Recipe(precision="fp32", optimizer="none"))
+>>> est.peak.allocated_bytes
+288000000
 """
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ def activation_bytes(precision: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def cs231n_bytes(params: int, activations: int, input_values: int, batch: int,
-                 bytes_per_value: int = 4) -> dict[str, int]:
+def cs231n_bytes(
+    params: int, activations: int, input_values: int, batch: int, bytes_per_value: int = 4
+) -> dict[str, int]:
     """The CS231n recipe: every activation twice (its gradient too) per sample, parameters
     three times (value, gradient, one optimizer cache), plus the input batch.
 
@@ -38,8 +39,14 @@ def cs231n_bytes(params: int, activations: int, input_values: int, batch: int,
     }
 
 
-def calculate(params: int, batch: int, activations_per_sample: int, recipe: Recipe,
-              method: str = "pytorch", input_shape: tuple[int, ...] | None = None) -> Estimate:
+def calculate(
+    params: int,
+    batch: int,
+    activations_per_sample: int,
+    recipe: Recipe,
+    method: str = "pytorch",
+    input_shape: tuple[int, ...] | None = None,
+) -> Estimate:
     """An Estimate from counts alone: model states by precision and optimizer, plus
     ``batch × activations × bytes`` (the CS231n recipe with ``method="cs231n"``)."""
     input_values = math.prod(input_shape) if input_shape else 0
@@ -47,27 +54,45 @@ def calculate(params: int, batch: int, activations_per_sample: int, recipe: Reci
     if method == "cs231n":
         components.update(cs231n_bytes(params, activations_per_sample, input_values, batch))
     else:
-        components.update(model_state_bytes(params, recipe.precision, recipe.optimizer,
-                                            training=recipe.is_training))
+        components.update(
+            model_state_bytes(
+                params, recipe.precision, recipe.optimizer, training=recipe.is_training
+            )
+        )
         per_value = activation_bytes(recipe.precision)
         components["activations"] = batch * activations_per_sample * per_value
         components["inputs"] = batch * input_values * per_value
     total = sum(components.values())
-    info = ModelInfo(name="calc", parameters=params, trainable_parameters=params,
-                     parameter_bytes=components["parameters"], kind="counts")
+    info = ModelInfo(
+        name="calc",
+        parameters=params,
+        trainable_parameters=params,
+        parameter_bytes=components["parameters"],
+        kind="counts",
+    )
     return Estimate(
-        model=info, recipe=recipe, peak=Peak(allocated_bytes=total, phase="backward"),
-        components=components, method="calc",
+        model=info,
+        recipe=recipe,
+        peak=Peak(allocated_bytes=total, phase="backward"),
+        components=components,
+        method="calc",
         notes=(_explain(method),),
-        details={"method": method, "activations_per_sample": activations_per_sample,
-                 "input_values_per_sample": input_values},
+        details={
+            "method": method,
+            "activations_per_sample": activations_per_sample,
+            "input_values_per_sample": input_values,
+        },
     )
 
 
 def _explain(method: str) -> str:
     if method == "cs231n":
-        return ("CS231n recipe: activations x2 (their gradients) x batch, parameters x3, plus "
-                "the input batch, 4 bytes each")
-    return ("model states by precision and optimizer (amp: fp32 masters, gradients and state) "
-            "plus batch x activations x bytes; the runtime, the allocator and temporaries are "
-            "not counted: trace a model with `vramplan estimate` for those")
+        return (
+            "CS231n recipe: activations x2 (their gradients) x batch, parameters x3, plus "
+            "the input batch, 4 bytes each"
+        )
+    return (
+        "model states by precision and optimizer (amp: fp32 masters, gradients and state) "
+        "plus batch x activations x bytes; the runtime, the allocator and temporaries are "
+        "not counted: trace a model with `vramplan estimate` for those"
+    )

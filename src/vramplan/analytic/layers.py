@@ -27,8 +27,23 @@ from vramplan.errors import UserError
 from vramplan.estimate import Estimate, ModelInfo, Peak, empty_components
 from vramplan.workload import Recipe
 
-TYPES = ("input", "conv", "pool", "maxpool", "avgpool", "batchnorm", "relu", "gelu", "dropout",
-         "dense", "linear", "flatten", "embedding", "attention", "layernorm")
+TYPES = (
+    "input",
+    "conv",
+    "pool",
+    "maxpool",
+    "avgpool",
+    "batchnorm",
+    "relu",
+    "gelu",
+    "dropout",
+    "dense",
+    "linear",
+    "flatten",
+    "embedding",
+    "attention",
+    "layernorm",
+)
 
 
 @dataclass(frozen=True)
@@ -44,9 +59,14 @@ class LayerRow:
     """Bytes per sample this layer adds to what PyTorch keeps for backward."""
 
     def to_json(self) -> dict:
-        return {"index": self.index, "type": self.kind, "output_shape": list(self.shape),
-                "parameters": self.parameters, "activation_values": self.values,
-                "saved_bytes_per_sample": self.saved_bytes}
+        return {
+            "index": self.index,
+            "type": self.kind,
+            "output_shape": list(self.shape),
+            "parameters": self.parameters,
+            "activation_values": self.values,
+            "saved_bytes_per_sample": self.saved_bytes,
+        }
 
 
 def load_spec(path: str) -> dict:
@@ -64,7 +84,11 @@ def load_spec(path: str) -> dict:
             spec = yaml.safe_load(text)
     except Exception as exc:  # json and yaml raise their own error types
         raise UserError(f"malformed layer spec {path}: {str(exc).splitlines()[0]}") from None
-    if not isinstance(spec, dict) or "input" not in spec or not isinstance(spec.get("layers"), list):
+    if (
+        not isinstance(spec, dict)
+        or "input" not in spec
+        or not isinstance(spec.get("layers"), list)
+    ):
         raise UserError(f"layer spec {path} needs an 'input' shape and a list of 'layers'")
     return spec
 
@@ -85,8 +109,9 @@ def _int(settings: dict, key: str, default: int | None, kind: str) -> int:
     return value
 
 
-def _propagate(kind: str, s: dict, shape: tuple[int, ...], act: int, index: int
-               ) -> tuple[tuple[int, ...], int, int]:
+def _propagate(
+    kind: str, s: dict, shape: tuple[int, ...], act: int, index: int
+) -> tuple[tuple[int, ...], int, int]:
     """(output shape, parameters, saved bytes per sample) of one layer."""
     where = f"layer {index} ({kind})"
     if kind == "conv":
@@ -150,8 +175,11 @@ def _propagate(kind: str, s: dict, shape: tuple[int, ...], act: int, index: int
 def walk(spec: dict, recipe: Recipe) -> list[LayerRow]:
     """Propagate shapes through the spec; row 0 is the input."""
     shape = spec["input"]
-    if not isinstance(shape, list) or not shape or not all(isinstance(d, int) and d > 0
-                                                           for d in shape):
+    if (
+        not isinstance(shape, list)
+        or not shape
+        or not all(isinstance(d, int) and d > 0 for d in shape)
+    ):
         raise UserError(f"spec input must be a list of positive integers, got {shape!r}")
     shape = tuple(shape)
     act = activation_bytes(recipe.precision)
@@ -168,8 +196,9 @@ def walk(spec: dict, recipe: Recipe) -> list[LayerRow]:
     return rows
 
 
-def layers_estimate(spec: dict, recipe: Recipe, method: str = "pytorch",
-                    name: str = "layers") -> Estimate:
+def layers_estimate(
+    spec: dict, recipe: Recipe, method: str = "pytorch", name: str = "layers"
+) -> Estimate:
     """An Estimate from a layer spec by the PyTorch or the CS231n method."""
     rows = walk(spec, recipe)
     params = sum(r.parameters for r in rows)
@@ -182,8 +211,11 @@ def layers_estimate(spec: dict, recipe: Recipe, method: str = "pytorch",
         components.update(cs231n_bytes(params, values - rows[0].values, rows[0].values, batch))
     else:
         act = activation_bytes(recipe.precision)
-        components.update(model_state_bytes(params, recipe.precision, recipe.optimizer,
-                                            training=recipe.is_training))
+        components.update(
+            model_state_bytes(
+                params, recipe.precision, recipe.optimizer, training=recipe.is_training
+            )
+        )
         if recipe.is_training:
             components["activations"] = batch * sum(r.saved_bytes for r in rows)
             # backward holds an output gradient and an input gradient at a time
@@ -193,18 +225,31 @@ def layers_estimate(spec: dict, recipe: Recipe, method: str = "pytorch",
             largest = max(a.values + b.values for a, b in zip(rows, rows[1:], strict=False))
             components["activations"] = largest * batch * act
         components["inputs"] = rows[0].values * batch * act
-    info = ModelInfo(name=name, parameters=params, trainable_parameters=params,
-                     parameter_bytes=components["parameters"], kind="layers")
-    note = ("CS231n recipe: activations x2 x batch, parameters x3, plus the input batch" if
-            method == "cs231n" else
-            "PyTorch method: each layer's saved tensors (conv/linear inputs, ReLU outputs, pool "
-            "indices, dropout masks), gradients and optimizer state by recipe, and one pair of "
-            "activation gradients at a time; CS231n instead doubles every activation and "
-            "triples the parameters")
+    info = ModelInfo(
+        name=name,
+        parameters=params,
+        trainable_parameters=params,
+        parameter_bytes=components["parameters"],
+        kind="layers",
+    )
+    note = (
+        "CS231n recipe: activations x2 x batch, parameters x3, plus the input batch"
+        if method == "cs231n"
+        else "PyTorch method: each layer's saved tensors (conv/linear inputs, ReLU outputs, pool "
+        "indices, dropout masks), gradients and optimizer state by recipe, and one pair of "
+        "activation gradients at a time; CS231n instead doubles every activation and "
+        "triples the parameters"
+    )
     return Estimate(
-        model=info, recipe=recipe,
+        model=info,
+        recipe=recipe,
         peak=Peak(allocated_bytes=sum(components.values()), phase="backward"),
-        components=components, method="layers", notes=(note,),
-        details={"method": method, "layers": [r.to_json() for r in rows],
-                 "activation_values_per_sample": values},
+        components=components,
+        method="layers",
+        notes=(note,),
+        details={
+            "method": method,
+            "layers": [r.to_json() for r in rows],
+            "activation_values_per_sample": values,
+        },
     )

@@ -15,8 +15,17 @@ from __future__ import annotations
 from vramplan.errors import UserError
 
 # State tensors per parameter, each in the parameter's dtype.
-STATE_COPIES = {"sgd": 0, "none": 0, "momentum": 1, "adam": 2, "adamw": 2, "adagrad": 1,
-                "rmsprop": 1, "lion": 1, "adafactor": 0}
+STATE_COPIES = {
+    "sgd": 0,
+    "none": 0,
+    "momentum": 1,
+    "adam": 2,
+    "adamw": 2,
+    "adagrad": 1,
+    "rmsprop": 1,
+    "lion": 1,
+    "adafactor": 0,
+}
 # bitsandbytes 8-bit Adam: two uint8 states and an fp32 absmax per 256-element block each.
 ADAM8BIT_BYTES = 2 + 2 * 4 / 256
 
@@ -26,8 +35,9 @@ def weight_bytes(precision: str) -> int:
     return 2 if precision in ("fp16", "bf16") else 4
 
 
-def model_state_bytes(params: int, precision: str, optimizer: str, trainable: int | None = None,
-                      training: bool = True) -> dict[str, int]:
+def model_state_bytes(
+    params: int, precision: str, optimizer: str, trainable: int | None = None, training: bool = True
+) -> dict[str, int]:
     """Parameters, gradients and optimizer state in bytes for ``params`` parameters
     (``trainable`` of them trained; all by default)."""
     if params < 0 or (trainable is not None and trainable < 0):

@@ -78,26 +78,39 @@ def shape_from_config(config: dict) -> TransformerShape:
     """A TransformerShape from a Hugging Face config dict (decoder-only models)."""
     kind = config.get("model_type", "")
     if kind not in DECODERS:
-        raise UserError(f"transformer formulas cover decoder-only models "
-                        f"({', '.join(sorted(DECODERS))}); got model_type {kind!r}: "
-                        "trace it with `vramplan estimate` instead")
+        raise UserError(
+            f"transformer formulas cover decoder-only models "
+            f"({', '.join(sorted(DECODERS))}); got model_type {kind!r}: "
+            "trace it with `vramplan estimate` instead"
+        )
     if kind == "gpt2":
         hidden = config["n_embd"]
         return TransformerShape(
-            layers=config["n_layer"], hidden=hidden, heads=config["n_head"],
-            kv_heads=config["n_head"], intermediate=config.get("n_inner") or 4 * hidden,
-            vocab=config["vocab_size"], gated_mlp=False,
+            layers=config["n_layer"],
+            hidden=hidden,
+            heads=config["n_head"],
+            kv_heads=config["n_head"],
+            intermediate=config.get("n_inner") or 4 * hidden,
+            vocab=config["vocab_size"],
+            gated_mlp=False,
             tied_embeddings=config.get("tie_word_embeddings", True),
-            positions=config["n_positions"], biases=True, dropout=True)
+            positions=config["n_positions"],
+            biases=True,
+            dropout=True,
+        )
     heads = config["num_attention_heads"]
     return TransformerShape(
-        layers=config["num_hidden_layers"], hidden=config["hidden_size"], heads=heads,
+        layers=config["num_hidden_layers"],
+        hidden=config["hidden_size"],
+        heads=heads,
         kv_heads=config.get("num_key_value_heads") or heads,
-        intermediate=config["intermediate_size"], vocab=config["vocab_size"],
+        intermediate=config["intermediate_size"],
+        vocab=config["vocab_size"],
         tied_embeddings=config.get("tie_word_embeddings", False),
         qkv_bias=kind.startswith("qwen2") or config.get("attention_bias", False),
         experts=config.get("num_local_experts", 1),
-        experts_per_token=config.get("num_experts_per_tok", 1))
+        experts_per_token=config.get("num_experts_per_tok", 1),
+    )
 
 
 @dataclass(frozen=True)
@@ -108,8 +121,14 @@ class Parallelism:
     sequence: bool = False
 
 
-def layer_activation_bytes(shape: TransformerShape, seq: int, batch: int, flash: bool,
-                           parallel: Parallelism = Parallelism(), act: int = 2) -> int:
+def layer_activation_bytes(
+    shape: TransformerShape,
+    seq: int,
+    batch: int,
+    flash: bool,
+    parallel: Parallelism = Parallelism(),
+    act: int = 2,
+) -> int:
     """Bytes one layer keeps for backward, 16-bit activations by default.
 
     For GPT-2 style layers this is Korthikanti's ``sbh(34 + 5as/h)`` (with ``act=2``)."""
@@ -164,15 +183,27 @@ class LoRA:
         return 0.5 + 0.127 / 8 if self.bits == 4 else 2.0
 
 
-def transformer_estimate(config: dict, recipe: Recipe, name: str, flash: bool = True,
-                         parallel: Parallelism = Parallelism(), recompute: str = "none",
-                         lora: LoRA | None = None) -> Estimate:
+def transformer_estimate(
+    config: dict,
+    recipe: Recipe,
+    name: str,
+    flash: bool = True,
+    parallel: Parallelism = Parallelism(),
+    recompute: str = "none",
+    lora: LoRA | None = None,
+) -> Estimate:
     """Estimate a decoder-only transformer from its config by formulas."""
     shape = shape_from_config(config)
-    if parallel.tensor < 1 or shape.heads % parallel.tensor or shape.kv_heads % parallel.tensor \
-            and shape.kv_heads >= parallel.tensor:
-        raise UserError(f"tensor parallel degree {parallel.tensor} must divide the "
-                        f"{shape.heads} attention heads")
+    if (
+        parallel.tensor < 1
+        or shape.heads % parallel.tensor
+        or shape.kv_heads % parallel.tensor
+        and shape.kv_heads >= parallel.tensor
+    ):
+        raise UserError(
+            f"tensor parallel degree {parallel.tensor} must divide the "
+            f"{shape.heads} attention heads"
+        )
     seq = recipe.seq_len or 512
     batch = recipe.batch_size
     act = 4 if recipe.precision == "fp32" else 2
@@ -182,14 +213,16 @@ def transformer_estimate(config: dict, recipe: Recipe, name: str, flash: bool = 
     if lora is not None:
         trainable = lora.adapter_parameters(shape)
         components["parameters"] = int(params * lora.base_bytes_per_param()) + trainable * 4
-        states = model_state_bytes(trainable, "fp32", recipe.optimizer,
-                                   training=recipe.is_training)
-        components["gradients"], components["optimizer_state"] = (states["gradients"],
-                                                                  states["optimizer_state"])
+        states = model_state_bytes(trainable, "fp32", recipe.optimizer, training=recipe.is_training)
+        components["gradients"], components["optimizer_state"] = (
+            states["gradients"],
+            states["optimizer_state"],
+        )
     else:
         trainable = params
-        states = model_state_bytes(params, recipe.precision, recipe.optimizer,
-                                   training=recipe.is_training)
+        states = model_state_bytes(
+            params, recipe.precision, recipe.optimizer, training=recipe.is_training
+        )
         components.update({k: v // t for k, v in states.items()})
     terms = {}
     if recipe.is_training:
@@ -208,19 +241,36 @@ def transformer_estimate(config: dict, recipe: Recipe, name: str, flash: bool = 
         terms["logits"] = seq * batch * shape.vocab * act // t
         components["activations"] = terms["kv_cache"] + terms["logits"]
     components["inputs"] = seq * batch * 8 * (2 if recipe.is_training else 1)
-    info = ModelInfo(name=name, parameters=params, trainable_parameters=trainable,
-                     parameter_bytes=components["parameters"], kind="causal-lm",
-                     architecture=config.get("model_type", ""))
-    notes = ["transformer formulas (Korthikanti et al. 2022, term by term): they leave out the "
-             "allocator, the runtime, optimizer-step temporaries and backward's transient "
-             "gradients; trace with `vramplan estimate` for those"]
+    info = ModelInfo(
+        name=name,
+        parameters=params,
+        trainable_parameters=trainable,
+        parameter_bytes=components["parameters"],
+        kind="causal-lm",
+        architecture=config.get("model_type", ""),
+    )
+    notes = [
+        "transformer formulas (Korthikanti et al. 2022, term by term): they leave out the "
+        "allocator, the runtime, optimizer-step temporaries and backward's transient "
+        "gradients; trace with `vramplan estimate` for those"
+    ]
     return Estimate(
-        model=info, recipe=recipe,
-        peak=Peak(allocated_bytes=sum(components.values()), phase="backward"
-                  if recipe.is_training else "forward"),
-        components=components, method="analytic", notes=tuple(notes),
-        details={"formula_terms": terms, "flash_attention": flash, "tensor_parallel": t,
-                 "sequence_parallel": parallel.sequence, "recompute": recompute,
-                 "lora_rank": lora.rank if lora else 0,
-                 "kv_cache_bytes": kv_cache_bytes(shape, seq, batch, act) // t},
+        model=info,
+        recipe=recipe,
+        peak=Peak(
+            allocated_bytes=sum(components.values()),
+            phase="backward" if recipe.is_training else "forward",
+        ),
+        components=components,
+        method="analytic",
+        notes=tuple(notes),
+        details={
+            "formula_terms": terms,
+            "flash_attention": flash,
+            "tensor_parallel": t,
+            "sequence_parallel": parallel.sequence,
+            "recompute": recompute,
+            "lora_rank": lora.rank if lora else 0,
+            "kv_cache_bytes": kv_cache_bytes(shape, seq, batch, act) // t,
+        },
     )

@@ -28,7 +28,6 @@ app = typer.Typer(
 )
 
 
-
 @app.callback()
 def _root() -> None:
     """Predict the GPU memory of a training or inference step before you launch it."""
@@ -39,13 +38,15 @@ EXIT_OOM = 3
 
 
 def _register_commands() -> None:
-    from vramplan.cli import analytic_cmd  # noqa: F401
-    from vramplan.cli import calibrate_cmd  # noqa: F401
-    from vramplan.cli import estimate_cmd  # noqa: F401
-    from vramplan.cli import gpus_cmd  # noqa: F401
-    from vramplan.cli import measure_cmd  # noqa: F401
-    from vramplan.cli import models_cmd  # noqa: F401
-    from vramplan.cli import plan_cmd  # noqa: F401
+    from vramplan.cli import (
+        analytic_cmd,  # noqa: F401
+        calibrate_cmd,  # noqa: F401
+        estimate_cmd,  # noqa: F401
+        gpus_cmd,  # noqa: F401
+        measure_cmd,  # noqa: F401
+        models_cmd,  # noqa: F401
+        plan_cmd,  # noqa: F401
+    )
 
 
 def fail(message: str) -> None:

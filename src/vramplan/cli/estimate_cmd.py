@@ -1,6 +1,6 @@
 """``vramplan estimate``: trace one step and explain its memory.
 
-    $ vramplan estimate torchvision:resnet50 --batch-size 64 --gpu a100
+$ vramplan estimate torchvision:resnet50 --batch-size 64 --gpu a100
 """
 
 from __future__ import annotations
@@ -9,22 +9,12 @@ from vramplan.api import device_options, estimate_built
 from vramplan.cli import app
 from vramplan.cli.options import (
     AllocConfOpt,
-    DpOpt,
-    FsdpOpt,
-    MicrobatchesOpt,
-    OffloadOptimizerOpt,
-    OffloadParamsOpt,
-    PpOpt,
-    ReshardOpt,
-    ShardOpt,
-    SpOpt,
-    TpOpt,
-    WorldSizeOpt,
-    ZeroOpt,
     BatchSize,
     CheckpointingOpt,
     CudnnBenchmarkOpt,
+    DpOpt,
     FrameworkOpt,
+    FsdpOpt,
     GpuMemoryOpt,
     GpuOpt,
     GradAccum,
@@ -32,15 +22,25 @@ from vramplan.cli.options import (
     HtmlOpt,
     InputShape,
     JsonOpt,
-    ModeOpt,
+    MicrobatchesOpt,
     Model,
+    ModeOpt,
+    OffloadOptimizerOpt,
+    OffloadParamsOpt,
     OptimizerOpt,
     PlotOpt,
+    PpOpt,
     PrecisionOpt,
     ProfileOpt,
+    ReshardOpt,
     SeqLen,
+    ShardOpt,
+    SpOpt,
     TargetOpt,
+    TpOpt,
     UnitsOpt,
+    WorldSizeOpt,
+    ZeroOpt,
     recipe_from_options,
 )
 from vramplan.distributed.facts import facts_of
@@ -100,15 +100,30 @@ def estimate_command(
     if target not in ("cuda", "cpu"):
         raise UserError(f"unknown target {target!r}; choose cuda or cpu")
     recipe = recipe_from_options(
-        batch_size=batch_size, seq_len=seq_len, input_shape=input_shape, precision=precision,
-        optimizer=optimizer, checkpointing=checkpointing, grad_accum=grad_accum, mode=mode,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        input_shape=input_shape,
+        precision=precision,
+        optimizer=optimizer,
+        checkpointing=checkpointing,
+        grad_accum=grad_accum,
+        mode=mode,
     )
     layout = layout_from_flags(
-        fsdp=fsdp, world_size=world_size, shard=shard, reshard_after_forward=reshard_after_forward,
-        zero=zero, dp=dp, offload_optimizer=offload_optimizer, offload_params=offload_params,
-        tp=tp, sp=sp, pp=pp, microbatches=microbatches)
-    device = device_options(gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark,
-                            profile=profile)
+        fsdp=fsdp,
+        world_size=world_size,
+        shard=shard,
+        reshard_after_forward=reshard_after_forward,
+        zero=zero,
+        dp=dp,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+        tp=tp,
+        sp=sp,
+        pp=pp,
+        microbatches=microbatches,
+    )
+    device = device_options(gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark, profile=profile)
     built = resolve(model, recipe)
     facts = facts_of(built) if layout != ParallelLayout() else None
     if facts is not None:
@@ -119,11 +134,11 @@ def estimate_command(
     if framework == "tensorflow":
         result = result.with_changes(notes=(*result.notes, TENSORFLOW_NOTE))
     if html:
+
         def at(batch: int):
             changed = recipe.with_changes(batch_size=batch)
             return estimate_built(resolve(model, changed), changed, target, device)
 
         curve = batch_curve_for(result, at)
-    write_reports(result, html=html, plot=plot, units=units,
-                  batch_curve=curve if html else None)
+    write_reports(result, html=html, plot=plot, units=units, batch_curve=curve if html else None)
     return emit(result, json_output=json_output, units=units)

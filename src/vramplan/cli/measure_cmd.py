@@ -1,6 +1,6 @@
 """``vramplan measure``: run the step for real and put it beside the estimate.
 
-    $ vramplan measure torchvision:resnet18 --batch-size 8
+$ vramplan measure torchvision:resnet18 --batch-size 8
 """
 
 from __future__ import annotations
@@ -15,19 +15,39 @@ from rich.table import Table
 
 from vramplan.cli import app
 from vramplan.cli.options import (
-    AllocConfOpt, BatchSize, CheckpointingOpt, GradAccum, HtmlOpt, InputShape, JsonOpt, ModeOpt,
-    Model, OptimizerOpt, PlotOpt, PrecisionOpt, SeqLen, UnitsOpt, recipe_from_options,
+    AllocConfOpt,
+    BatchSize,
+    CheckpointingOpt,
+    GradAccum,
+    HtmlOpt,
+    InputShape,
+    JsonOpt,
+    Model,
+    ModeOpt,
+    OptimizerOpt,
+    PlotOpt,
+    PrecisionOpt,
+    SeqLen,
+    UnitsOpt,
+    recipe_from_options,
 )
 from vramplan.compare import Comparison, measure_and_compare
 from vramplan.report.outputs import write_reports
 from vramplan.report.render import check_units
 from vramplan.units import format_bytes
 
-StepsOpt = Annotated[int, typer.Option("--steps", help="Real steps to run (3 or more for the leak check).")]
-DeviceOpt = Annotated[str | None, typer.Option(
-    "--device", help="cuda | cpu (default: cuda when available).")]
-SnapshotOpt = Annotated[str | None, typer.Option(
-    "--snapshot", help="CUDA only: write a memory snapshot for pytorch.org/memory_viz.")]
+StepsOpt = Annotated[
+    int, typer.Option("--steps", help="Real steps to run (3 or more for the leak check).")
+]
+DeviceOpt = Annotated[
+    str | None, typer.Option("--device", help="cuda | cpu (default: cuda when available).")
+]
+SnapshotOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--snapshot", help="CUDA only: write a memory snapshot for pytorch.org/memory_viz."
+    ),
+]
 
 
 @app.command("measure")
@@ -53,13 +73,24 @@ def measure_command(
     """Run N real steps, measure memory, and print estimate vs measurement and a leak check."""
     check_units(units)
     recipe = recipe_from_options(
-        batch_size=batch_size, seq_len=seq_len, input_shape=input_shape, precision=precision,
-        optimizer=optimizer, checkpointing=checkpointing, grad_accum=grad_accum, mode=mode,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        input_shape=input_shape,
+        precision=precision,
+        optimizer=optimizer,
+        checkpointing=checkpointing,
+        grad_accum=grad_accum,
+        mode=mode,
     )
     result = measure_and_compare(model, recipe, device, steps, snapshot, alloc_conf)
     if html or plot:
-        write_reports(result.estimate, html=html, plot=plot, units=units,
-                      measurement=comparison_rows(result, units))
+        write_reports(
+            result.estimate,
+            html=html,
+            plot=plot,
+            units=units,
+            measurement=comparison_rows(result, units),
+        )
     if json_output:
         json.dump(result.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
@@ -72,13 +103,20 @@ def comparison_rows(result: Comparison, units: str) -> list[list[str]]:
     """Header and rows of estimate vs measurement, for the HTML report."""
     peak, measured = result.estimate.peak, result.measured
     rows = [["figure", "estimate", "measured", "error"]]
-    for name, estimate, real in (("allocated", peak.allocated_bytes, measured.allocated_bytes),
-                                 ("reserved", peak.reserved_bytes, measured.reserved_bytes),
-                                 ("device_total", peak.device_total_bytes,
-                                  measured.device_total_bytes)):
+    for name, estimate, real in (
+        ("allocated", peak.allocated_bytes, measured.allocated_bytes),
+        ("reserved", peak.reserved_bytes, measured.reserved_bytes),
+        ("device_total", peak.device_total_bytes, measured.device_total_bytes),
+    ):
         if real is not None and estimate is not None:
-            rows.append([name, format_bytes(estimate, units), format_bytes(real, units),
-                         f"{result.errors.get(name, 0.0):+.1%}"])
+            rows.append(
+                [
+                    name,
+                    format_bytes(estimate, units),
+                    format_bytes(real, units),
+                    f"{result.errors.get(name, 0.0):+.1%}",
+                ]
+            )
     return rows
 
 
@@ -90,26 +128,42 @@ def render_comparison(result: Comparison, units: str) -> None:
     table = Table(title="Estimate vs measurement", title_justify="left")
     for column in ("figure", "estimate", "measured", "error"):
         table.add_column(column, justify="left" if column == "figure" else "right")
-    rows = [("allocated (peak)", est.peak.allocated_bytes, measured.allocated_bytes),
-            ("reserved (peak)", est.peak.reserved_bytes, measured.reserved_bytes),
-            ("device total", est.peak.device_total_bytes, measured.device_total_bytes)]
-    names = dict(zip(("allocated (peak)", "reserved (peak)", "device total"),
-                     ("allocated", "reserved", "device_total"), strict=True))
+    rows = [
+        ("allocated (peak)", est.peak.allocated_bytes, measured.allocated_bytes),
+        ("reserved (peak)", est.peak.reserved_bytes, measured.reserved_bytes),
+        ("device total", est.peak.device_total_bytes, measured.device_total_bytes),
+    ]
+    names = dict(
+        zip(
+            ("allocated (peak)", "reserved (peak)", "device total"),
+            ("allocated", "reserved", "device_total"),
+            strict=True,
+        )
+    )
     for label, estimate, real in rows:
         if real is None:
             continue
         error = result.errors.get(names[label])
-        table.add_row(label, fmt(estimate), fmt(real), f"{error:+.1%}" if error is not None else "-")
+        table.add_row(
+            label, fmt(estimate), fmt(real), f"{error:+.1%}" if error is not None else "-"
+        )
     console.print(table)
     if measured.oom:
-        console.print(f"[bold red]out of memory[/bold red] in {measured.oom['phase']} of step "
-                      f"{measured.oom['step']}: {measured.oom['error']}")
+        console.print(
+            f"[bold red]out of memory[/bold red] in {measured.oom['phase']} of step "
+            f"{measured.oom['step']}: {measured.oom['error']}"
+        )
     leak = result.leak
     after = ", ".join(fmt(v) for v in leak.after_step_bytes)
-    verdict = ("[bold red]LEAK[/bold red]: memory grows by "
-               f"{fmt(leak.bytes_per_step)} per step after the optimizer state exists"
-               if leak.leaking else "no leak: memory is flat once the optimizer state exists")
+    verdict = (
+        "[bold red]LEAK[/bold red]: memory grows by "
+        f"{fmt(leak.bytes_per_step)} per step after the optimizer state exists"
+        if leak.leaking
+        else "no leak: memory is flat once the optimizer state exists"
+    )
     console.print(f"Live memory after each step: {after} — {verdict}")
     if measured.snapshot:
-        console.print(f"Snapshot written to {measured.snapshot} (open it at pytorch.org/memory_viz)")
+        console.print(
+            f"Snapshot written to {measured.snapshot} (open it at pytorch.org/memory_viz)"
+        )
     console.print(f"[dim]Sizes in {units} units.[/dim]")

@@ -1,6 +1,6 @@
 """``vramplan models``: the model names each source accepts.
 
-    $ vramplan models hf
+$ vramplan models hf
 """
 
 from __future__ import annotations
@@ -27,8 +27,10 @@ def names_for(source: str) -> list[str]:
         from vramplan.sources.vision import require_package
 
         torchvision = require_package("torchvision", "vision")
-        return sorted(torchvision.models.list_models(module=torchvision.models)
-                      + torchvision.models.list_models(module=torchvision.models.segmentation))
+        return sorted(
+            torchvision.models.list_models(module=torchvision.models)
+            + torchvision.models.list_models(module=torchvision.models.segmentation)
+        )
     if source == "timm":
         from vramplan.sources.vision import require_package
 

@@ -13,76 +13,163 @@ import typer
 
 from vramplan.workload import Recipe, parse_shape
 
-Model = Annotated[str, typer.Argument(
-    help="torchvision:NAME, timm:NAME, hf:NAME (or hf:path/config.json), file.py:factory, "
-         "package.module:factory", show_default=False)]
+Model = Annotated[
+    str,
+    typer.Argument(
+        help="torchvision:NAME, timm:NAME, hf:NAME (or hf:path/config.json), file.py:factory, "
+        "package.module:factory",
+        show_default=False,
+    ),
+]
 BatchSize = Annotated[int, typer.Option("--batch-size", "-b", help="Samples per step (per GPU).")]
-SeqLen = Annotated[int | None, typer.Option("--seq-len", "-s", help="Tokens per sample (text models).")]
-InputShape = Annotated[str | None, typer.Option(
-    "--input-shape", help="One sample's shape without the batch, e.g. 3x224x224 or 512.")]
-PrecisionOpt = Annotated[str, typer.Option(
-    "--precision", "-p", help="fp32 | fp16 | bf16 | amp-fp16 | amp-bf16 (amp: fp32 weights + autocast).")]
-OptimizerOpt = Annotated[str, typer.Option(
-    "--optimizer", "-o",
-    help="sgd | momentum | adam | adamw | adagrad | rmsprop | adafactor | lion | adam8bit | none.")]
-CheckpointingOpt = Annotated[str, typer.Option(
-    "--checkpointing",
-    help="none | full | N (recompute all, or only the first N, repeated blocks in backward).")]
+SeqLen = Annotated[
+    int | None, typer.Option("--seq-len", "-s", help="Tokens per sample (text models).")
+]
+InputShape = Annotated[
+    str | None,
+    typer.Option(
+        "--input-shape", help="One sample's shape without the batch, e.g. 3x224x224 or 512."
+    ),
+]
+PrecisionOpt = Annotated[
+    str,
+    typer.Option(
+        "--precision",
+        "-p",
+        help="fp32 | fp16 | bf16 | amp-fp16 | amp-bf16 (amp: fp32 weights + autocast).",
+    ),
+]
+OptimizerOpt = Annotated[
+    str,
+    typer.Option(
+        "--optimizer",
+        "-o",
+        help="sgd | momentum | adam | adamw | adagrad | rmsprop | adafactor | lion | adam8bit "
+        "| none.",
+    ),
+]
+CheckpointingOpt = Annotated[
+    str,
+    typer.Option(
+        "--checkpointing",
+        help="none | full | N (recompute all, or only the first N, repeated blocks in backward).",
+    ),
+]
 GradAccum = Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")]
 ModeOpt = Annotated[str, typer.Option("--mode", help="train | infer (no_grad, no optimizer).")]
-TargetOpt = Annotated[str, typer.Option(
-    "--target", help="cuda (emulate an NVIDIA GPU, default) | cpu (what the CPU itself does).")]
+TargetOpt = Annotated[
+    str,
+    typer.Option(
+        "--target", help="cuda (emulate an NVIDIA GPU, default) | cpu (what the CPU itself does)."
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the vramplan.estimate/1 JSON object.")]
 UnitsOpt = Annotated[str, typer.Option("--units", help="binary (MiB/GiB) | decimal (MB/GB).")]
 
 
 def recipe_from_options(
-    *, batch_size: int, seq_len: int | None, input_shape: str | None, precision: str,
-    optimizer: str, checkpointing: str, grad_accum: int, mode: str,
+    *,
+    batch_size: int,
+    seq_len: int | None,
+    input_shape: str | None,
+    precision: str,
+    optimizer: str,
+    checkpointing: str,
+    grad_accum: int,
+    mode: str,
 ) -> Recipe:
     """Validate the shared options into a Recipe (a UserError on any bad value)."""
     return Recipe(
-        batch_size=batch_size, seq_len=seq_len,
+        batch_size=batch_size,
+        seq_len=seq_len,
         input_shape=parse_shape(input_shape) if input_shape else None,
-        precision=precision, optimizer=optimizer, checkpointing=checkpointing,
-        grad_accum=grad_accum, mode=mode,
+        precision=precision,
+        optimizer=optimizer,
+        checkpointing=checkpointing,
+        grad_accum=grad_accum,
+        mode=mode,
     )
 
-GpuOpt = Annotated[str | None, typer.Option(
-    "--gpu", "-g", help="Judge against a catalog card: a100, A100-80GB, h100, t4, ... "
-                        "(see `vramplan gpus`).")]
-GpuMemoryOpt = Annotated[str | None, typer.Option(
-    "--gpu-memory", help="Judge against a card of this size instead, e.g. 24GiB.")]
-HeadroomOpt = Annotated[float, typer.Option(
-    "--headroom", help="Fraction of the card kept free for safety (0.10 = 10%).")]
-AllocConfOpt = Annotated[str | None, typer.Option(
-    "--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF to emulate, e.g. expandable_segments:True.")]
-CudnnBenchmarkOpt = Annotated[bool, typer.Option(
-    "--cudnn-benchmark", help="Emulate torch.backends.cudnn.benchmark=True.")]
-FrameworkOpt = Annotated[str, typer.Option(
-    "--framework", help="pytorch | tensorflow (TensorFlow: explains its whole-card reservation).")]
-ProfileOpt = Annotated[str | None, typer.Option(
-    "--profile", help="A device profile from `vramplan calibrate` (measured runtime figures).")]
-HtmlOpt = Annotated[str | None, typer.Option(
-    "--html", help="Also write a self-contained HTML report to this path.")]
-PlotOpt = Annotated[str | None, typer.Option(
-    "--plot", help="Also write a PNG of the breakdown and timeline (needs matplotlib).")]
-FsdpOpt = Annotated[int | None, typer.Option(
-    "--fsdp", help="FSDP full sharding over N data-parallel GPUs (per-rank figures).")]
-WorldSizeOpt = Annotated[int | None, typer.Option(
-    "--world-size", help="Data-parallel GPUs, with --shard.")]
-ShardOpt = Annotated[str, typer.Option("--shard", help="full | grad-op | none (with --world-size).")]
-ReshardOpt = Annotated[bool, typer.Option(
-    "--reshard-after-forward/--no-reshard-after-forward",
-    help="FSDP: free gathered parameters after forward (default) or keep them to backward.")]
+
+GpuOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--gpu",
+        "-g",
+        help="Judge against a catalog card: a100, A100-80GB, h100, t4, ... (see `vramplan gpus`).",
+    ),
+]
+GpuMemoryOpt = Annotated[
+    str | None,
+    typer.Option("--gpu-memory", help="Judge against a card of this size instead, e.g. 24GiB."),
+]
+HeadroomOpt = Annotated[
+    float,
+    typer.Option("--headroom", help="Fraction of the card kept free for safety (0.10 = 10%)."),
+]
+AllocConfOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--alloc-conf", help="PYTORCH_CUDA_ALLOC_CONF to emulate, e.g. expandable_segments:True."
+    ),
+]
+CudnnBenchmarkOpt = Annotated[
+    bool, typer.Option("--cudnn-benchmark", help="Emulate torch.backends.cudnn.benchmark=True.")
+]
+FrameworkOpt = Annotated[
+    str,
+    typer.Option(
+        "--framework",
+        help="pytorch | tensorflow (TensorFlow: explains its whole-card reservation).",
+    ),
+]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--profile", help="A device profile from `vramplan calibrate` (measured runtime figures)."
+    ),
+]
+HtmlOpt = Annotated[
+    str | None, typer.Option("--html", help="Also write a self-contained HTML report to this path.")
+]
+PlotOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--plot", help="Also write a PNG of the breakdown and timeline (needs matplotlib)."
+    ),
+]
+FsdpOpt = Annotated[
+    int | None,
+    typer.Option("--fsdp", help="FSDP full sharding over N data-parallel GPUs (per-rank figures)."),
+]
+WorldSizeOpt = Annotated[
+    int | None, typer.Option("--world-size", help="Data-parallel GPUs, with --shard.")
+]
+ShardOpt = Annotated[
+    str, typer.Option("--shard", help="full | grad-op | none (with --world-size).")
+]
+ReshardOpt = Annotated[
+    bool,
+    typer.Option(
+        "--reshard-after-forward/--no-reshard-after-forward",
+        help="FSDP: free gathered parameters after forward (default) or keep them to backward.",
+    ),
+]
 ZeroOpt = Annotated[int | None, typer.Option("--zero", help="DeepSpeed ZeRO stage 1, 2 or 3.")]
 DpOpt = Annotated[int | None, typer.Option("--dp", help="Data-parallel GPUs for --zero.")]
-OffloadOptimizerOpt = Annotated[bool, typer.Option(
-    "--offload-optimizer", help="ZeRO: optimizer state on the CPU.")]
-OffloadParamsOpt = Annotated[bool, typer.Option(
-    "--offload-params", help="ZeRO-3: parameters on the CPU.")]
+OffloadOptimizerOpt = Annotated[
+    bool, typer.Option("--offload-optimizer", help="ZeRO: optimizer state on the CPU.")
+]
+OffloadParamsOpt = Annotated[
+    bool, typer.Option("--offload-params", help="ZeRO-3: parameters on the CPU.")
+]
 TpOpt = Annotated[int, typer.Option("--tp", help="Tensor-parallel degree (Megatron).")]
 SpOpt = Annotated[bool, typer.Option("--sp", help="Sequence parallelism with --tp.")]
 PpOpt = Annotated[int, typer.Option("--pp", help="Pipeline-parallel stages (1F1B).")]
-MicrobatchesOpt = Annotated[int, typer.Option(
-    "--microbatches", help="Micro-batches per step with --pp (the batch size is per micro-batch).")]
+MicrobatchesOpt = Annotated[
+    int,
+    typer.Option(
+        "--microbatches",
+        help="Micro-batches per step with --pp (the batch size is per micro-batch).",
+    ),
+]

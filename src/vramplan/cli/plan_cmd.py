@@ -1,7 +1,7 @@
 """``vramplan plan`` and ``vramplan max-batch``: what fits, and what to change when it does not.
 
-    $ vramplan max-batch torchvision:resnet50 --gpu t4
-    $ vramplan plan hf:meta-llama-3-8b --seq-len 4096 --batch-size 8 --gpu a100-80gb
+$ vramplan max-batch torchvision:resnet50 --gpu t4
+$ vramplan plan hf:meta-llama-3-8b --seq-len 4096 --batch-size 8 --gpu a100-80gb
 """
 
 from __future__ import annotations
@@ -17,9 +17,24 @@ from rich.table import Table
 from vramplan.api import device_options
 from vramplan.cli import app
 from vramplan.cli.options import (
-    AllocConfOpt, BatchSize, CheckpointingOpt, GpuMemoryOpt, GpuOpt, GradAccum, HeadroomOpt,
-    HtmlOpt, InputShape, JsonOpt, ModeOpt, Model, OptimizerOpt, PlotOpt, PrecisionOpt, SeqLen,
-    UnitsOpt, recipe_from_options,
+    AllocConfOpt,
+    BatchSize,
+    CheckpointingOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    GradAccum,
+    HeadroomOpt,
+    HtmlOpt,
+    InputShape,
+    JsonOpt,
+    Model,
+    ModeOpt,
+    OptimizerOpt,
+    PlotOpt,
+    PrecisionOpt,
+    SeqLen,
+    UnitsOpt,
+    recipe_from_options,
 )
 from vramplan.distributed.facts import facts_of
 from vramplan.distributed.needed import gpus_needed
@@ -30,17 +45,21 @@ from vramplan.plan.fleet import gpus_that_fit
 from vramplan.plan.host import HostOptions, host_memory
 from vramplan.plan.levers import plan_levers
 from vramplan.plan.search import largest_fitting
-from vramplan.sources import resolve
 from vramplan.report.outputs import batch_curve_for, write_reports
 from vramplan.report.render import check_units
+from vramplan.sources import resolve
 from vramplan.units import format_bytes, parse_bytes
 
 SearchOpt = Annotated[str, typer.Option("--search", help="batch-size | seq-len")]
-HostMemoryOpt = Annotated[str | None, typer.Option(
-    "--host-memory", help="System RAM to check the run against, e.g. 64GiB.")]
+HostMemoryOpt = Annotated[
+    str | None,
+    typer.Option("--host-memory", help="System RAM to check the run against, e.g. 64GiB."),
+]
 WorkersOpt = Annotated[int, typer.Option("--workers", help="DataLoader worker processes.")]
-OffloadOpt = Annotated[bool, typer.Option(
-    "--offload-optimizer", help="Count the optimizer state as offloaded to the host.")]
+OffloadOpt = Annotated[
+    bool,
+    typer.Option("--offload-optimizer", help="Count the optimizer state as offloaded to the host."),
+]
 
 
 @app.command("max-batch")
@@ -68,8 +87,14 @@ def max_batch_command(
     if knob is None:
         raise UserError(f"unknown search {search!r}; choose batch-size or seq-len")
     recipe = recipe_from_options(
-        batch_size=batch_size, seq_len=seq_len, input_shape=input_shape, precision=precision,
-        optimizer=optimizer, checkpointing=checkpointing, grad_accum=grad_accum, mode=mode,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        input_shape=input_shape,
+        precision=precision,
+        optimizer=optimizer,
+        checkpointing=checkpointing,
+        grad_accum=grad_accum,
+        mode=mode,
     )
     bench = Workbench(model, device_options(gpu, gpu_memory, headroom, alloc_conf))
     result = largest_fitting(bench, recipe, knob, start=seq_len if knob == "seq_len" else None)
@@ -81,17 +106,25 @@ def max_batch_command(
     est = result.estimate
     label = "batch size" if knob == "batch_size" else "sequence length"
     console = Console()
-    console.print(f"Largest {label} that fits {est.verdict.gpu} with {est.verdict.headroom:.0%} "
-                  f"headroom: [bold]{result.value}[/bold]")
-    console.print(f"  at {result.value}: device total {fmt(est.peak.device_total_bytes)} of "
-                  f"{fmt(est.verdict.usable_bytes)} usable (allocated "
-                  f"{fmt(est.peak.allocated_bytes)}, reserved {fmt(est.peak.reserved_bytes)}), "
-                  f"{fmt(est.verdict.spare_bytes)} to spare")
+    console.print(
+        f"Largest {label} that fits {est.verdict.gpu} with {est.verdict.headroom:.0%} "
+        f"headroom: [bold]{result.value}[/bold]"
+    )
+    console.print(
+        f"  at {result.value}: device total {fmt(est.peak.device_total_bytes)} of "
+        f"{fmt(est.verdict.usable_bytes)} usable (allocated "
+        f"{fmt(est.peak.allocated_bytes)}, reserved {fmt(est.peak.reserved_bytes)}), "
+        f"{fmt(est.verdict.spare_bytes)} to spare"
+    )
     if result.beyond is not None:
-        console.print(f"  at {result.value + 1}: {fmt(result.beyond.peak.device_total_bytes)} — "
-                      f"{result.beyond.verdict.status.upper()}")
-    console.print(f"[dim]{result.traces} traces (a doubling-and-bisection finder would run "
-                  f"{result.bisection_traces} trials). Sizes in {units} units.[/dim]")
+        console.print(
+            f"  at {result.value + 1}: {fmt(result.beyond.peak.device_total_bytes)} — "
+            f"{result.beyond.verdict.status.upper()}"
+        )
+    console.print(
+        f"[dim]{result.traces} traces (a doubling-and-bisection finder would run "
+        f"{result.bisection_traces} trials). Sizes in {units} units.[/dim]"
+    )
     return 0
 
 
@@ -122,39 +155,65 @@ def plan_command(
     judge every catalog GPU."""
     check_units(units)
     recipe = recipe_from_options(
-        batch_size=batch_size, seq_len=seq_len, input_shape=input_shape, precision=precision,
-        optimizer=optimizer, checkpointing=checkpointing, grad_accum=grad_accum, mode=mode,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        input_shape=input_shape,
+        precision=precision,
+        optimizer=optimizer,
+        checkpointing=checkpointing,
+        grad_accum=grad_accum,
+        mode=mode,
     )
     all_gpus = gpu is None and gpu_memory is None
     card = "A100-80GB" if all_gpus else gpu
     bench = Workbench(model, device_options(card, gpu_memory, headroom, alloc_conf))
     result = plan_levers(bench, recipe)
-    needed = None
+    needed, needed_note = None, ""
     if not all_gpus and result.baseline.verdict.status != "fits" and result.plan is None:
-        needed = gpus_needed(result.baseline, facts_of(resolve(model, recipe)))
+        needed, needed_note = _gpus_needed(bench, model, recipe)
     options = [*result.levers, *([result.plan] if result.plan else [])]
     fleet = gpus_that_fit(bench, recipe, options, catalog() if all_gpus else (bench.device.card,))
     limit = parse_bytes(host_memory_limit, "host memory") if host_memory_limit else None
-    host = host_memory(result.baseline, HostOptions(workers=workers, limit_bytes=limit,
-                                                    offload_optimizer=offload_optimizer),
-                       result.baseline.details.get("optimizer_state_bytes"))
+    host = host_memory(
+        result.baseline,
+        HostOptions(workers=workers, limit_bytes=limit, offload_optimizer=offload_optimizer),
+        result.baseline.details.get("optimizer_state_bytes"),
+    )
     _write_plan_reports(result, bench, recipe, html, plot, units)
     if json_output:
         data = result.to_json()
         data["gpus"] = [row.to_json() for row in fleet]
         data["host"] = host.to_json()
         data["traces"] = bench.traces
-        data["gpus_needed"] = needed.to_json() if needed else None
+        data["gpus_needed"] = ({**needed.to_json(), "with": needed_note} if needed else
+                               {"answer": None, "why": needed_note} if needed_note else None)
         json.dump(data, sys.stdout, indent=2)
         sys.stdout.write("\n")
         return 0
     _render(result, fleet, host, all_gpus, units, bench.traces)
     if needed is not None:
         rank = needed.estimate.peak.device_total_bytes
-        Console().print(f"Needs [bold]{needed.gpus} x {result.baseline.verdict.gpu}[/bold] with "
-                        f"[bold]{needed.layout.describe()}[/bold]: "
-                        f"{format_bytes(rank, units)} per GPU, {needed.estimate.verdict.status.upper()}")
+        Console().print(
+            f"Needs [bold]{needed.gpus} x {result.baseline.verdict.gpu}[/bold] with "
+            f"[bold]{needed.layout.describe()}[/bold]: "
+            f"{format_bytes(rank, units)} per GPU, {needed.estimate.verdict.status.upper()}"
+        )
     return 0
+
+
+def _gpus_needed(bench: Workbench, model: str, recipe):
+    """GPUs needed as the recipe stands; failing that, with full checkpointing."""
+    facts = facts_of(resolve(model, recipe))
+    try:
+        return gpus_needed(bench.estimate(recipe), facts), ""
+    except UserError as exc:
+        if recipe.checkpointing == "full" or not recipe.is_training:
+            return None, str(exc)
+    checkpointed = recipe.with_changes(checkpointing="full")
+    try:
+        return gpus_needed(bench.estimate(checkpointed), facts), "with --checkpointing full"
+    except UserError as exc:
+        return None, str(exc)
 
 
 def _write_plan_reports(result, bench, recipe, html, plot, units: str) -> None:
@@ -162,57 +221,99 @@ def _write_plan_reports(result, bench, recipe, html, plot, units: str) -> None:
         return
     fmt = lambda n: format_bytes(n, units)  # noqa: E731
     rows = [["lever", "flags", "device total", "saves", "status"]]
-    rows += [[lever.name, lever.flags, fmt(lever.estimate.peak.device_total_bytes),
-              fmt(lever.saved_bytes), lever.status.upper()] for lever in result.levers]
+    rows += [
+        [
+            lever.name,
+            lever.flags,
+            fmt(lever.estimate.peak.device_total_bytes),
+            fmt(lever.saved_bytes),
+            lever.status.upper(),
+        ]
+        for lever in result.levers
+    ]
     if result.plan is not None:
-        rows.append([f"plan: {result.plan.name}", result.plan.flags,
-                     fmt(result.plan.estimate.peak.device_total_bytes), fmt(result.plan.saved_bytes),
-                     result.plan.status.upper()])
-    curve = batch_curve_for(result.baseline, lambda b: bench.estimate(
-        recipe.with_changes(batch_size=b))) if html else None
-    write_reports(result.baseline, html=html, plot=plot, units=units, batch_curve=curve,
-                  plan=rows)
+        rows.append(
+            [
+                f"plan: {result.plan.name}",
+                result.plan.flags,
+                fmt(result.plan.estimate.peak.device_total_bytes),
+                fmt(result.plan.saved_bytes),
+                result.plan.status.upper(),
+            ]
+        )
+    curve = (
+        batch_curve_for(
+            result.baseline, lambda b: bench.estimate(recipe.with_changes(batch_size=b))
+        )
+        if html
+        else None
+    )
+    write_reports(result.baseline, html=html, plot=plot, units=units, batch_curve=curve, plan=rows)
 
 
 def _render(result, fleet, host, all_gpus: bool, units: str, traces: int) -> None:
     fmt = lambda n: format_bytes(n, units)  # noqa: E731
     console = Console()
     base = result.baseline
-    console.print(f"[bold]{base.model.name}[/bold]: device total {fmt(base.peak.device_total_bytes)}"
-                  f" (allocated {fmt(base.peak.allocated_bytes)}, reserved "
-                  f"{fmt(base.peak.reserved_bytes)})")
+    console.print(
+        f"[bold]{base.model.name}[/bold]: device total {fmt(base.peak.device_total_bytes)}"
+        f" (allocated {fmt(base.peak.allocated_bytes)}, reserved "
+        f"{fmt(base.peak.reserved_bytes)})"
+    )
     if not all_gpus:
         v = base.verdict
-        console.print(f"On {v.gpu} ({fmt(v.capacity_bytes)}, {v.headroom:.0%} headroom): "
-                      f"[bold]{v.status.upper()}[/bold]")
+        console.print(
+            f"On {v.gpu} ({fmt(v.capacity_bytes)}, {v.headroom:.0%} headroom): "
+            f"[bold]{v.status.upper()}[/bold]"
+        )
     table = Table(title="Levers, each alone, in the standard order", title_justify="left")
     for column in ("lever", "flags", "device total", "saves", "status", "cost"):
         table.add_column(column, justify="right" if column in ("device total", "saves") else "left")
     for lever in result.levers:
-        cost = ", ".join(f"{k.replace('_', ' ')}: {v:.0%}" if isinstance(v, float) else
-                         f"{k.replace('_', ' ')}: {v}" for k, v in lever.cost.items())
-        table.add_row(lever.name, lever.flags, fmt(lever.estimate.peak.device_total_bytes),
-                      fmt(lever.saved_bytes), lever.status.upper(), cost)
+        cost = ", ".join(
+            f"{k.replace('_', ' ')}: {v:.0%}"
+            if isinstance(v, float)
+            else f"{k.replace('_', ' ')}: {v}"
+            for k, v in lever.cost.items()
+        )
+        table.add_row(
+            lever.name,
+            lever.flags,
+            fmt(lever.estimate.peak.device_total_bytes),
+            fmt(lever.saved_bytes),
+            lever.status.upper(),
+            cost,
+        )
     console.print(table)
     if result.plan is not None:
         plan = result.plan
-        console.print(f"First plan that fits: [bold]{plan.name}[/bold] → {plan.flags} "
-                      f"(device total {fmt(plan.estimate.peak.device_total_bytes)}, "
-                      f"{plan.status.upper()})")
+        console.print(
+            f"First plan that fits: [bold]{plan.name}[/bold] → {plan.flags} "
+            f"(device total {fmt(plan.estimate.peak.device_total_bytes)}, "
+            f"{plan.status.upper()})"
+        )
     if all_gpus or any(row.status != "fits" for row in fleet):
         gpus = Table(title="GPUs", title_justify="left")
         for column in ("gpu", "memory", "as is", "fits with"):
             gpus.add_column(column)
         for row in fleet:
-            gpus.add_row(row.gpu, fmt(row.capacity_bytes), row.status.upper(),
-                         row.levers and f"{row.levers} ({row.flags})")
+            gpus.add_row(
+                row.gpu,
+                fmt(row.capacity_bytes),
+                row.status.upper(),
+                row.levers and f"{row.levers} ({row.flags})",
+            )
         console.print(gpus)
-    console.print("Host RAM: " + ", ".join(f"{k.replace('_', ' ')} {fmt(v)}"
-                                          for k, v in host.terms.items() if v)
-                  + f" — total {fmt(host.total_bytes)}")
+    console.print(
+        "Host RAM: "
+        + ", ".join(f"{k.replace('_', ' ')} {fmt(v)}" for k, v in host.terms.items() if v)
+        + f" — total {fmt(host.total_bytes)}"
+    )
     if host.exceeds_limit:
-        console.print(f"[bold red]warning:[/bold red] host RAM {fmt(host.total_bytes)} exceeds "
-                      f"--host-memory {fmt(host.limit_bytes)}")
+        console.print(
+            f"[bold red]warning:[/bold red] host RAM {fmt(host.total_bytes)} exceeds "
+            f"--host-memory {fmt(host.limit_bytes)}"
+        )
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]")
     console.print(f"[dim]{traces} traces. Sizes in {units} units.[/dim]")

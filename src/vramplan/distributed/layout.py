@@ -77,11 +77,15 @@ class ParallelLayout:
 def check_layout(layout: ParallelLayout, facts: ModelFacts) -> None:
     """Reject layouts the model cannot take (one clear line each)."""
     if facts.heads and facts.heads % layout.tensor_parallel:
-        raise UserError(f"tensor parallel degree {layout.tensor_parallel} does not divide the "
-                        f"{facts.heads} attention heads")
+        raise UserError(
+            f"tensor parallel degree {layout.tensor_parallel} does not divide the "
+            f"{facts.heads} attention heads"
+        )
     if layout.pipeline_parallel > max(1, facts.layers):
-        raise UserError(f"pipeline parallel degree {layout.pipeline_parallel} is larger than the "
-                        f"{facts.layers} layers")
+        raise UserError(
+            f"pipeline parallel degree {layout.pipeline_parallel} is larger than the "
+            f"{facts.layers} layers"
+        )
 
 
 def _model_states(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> tuple[int, int]:
@@ -89,18 +93,24 @@ def _model_states(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> t
     psi = facts.parameters // (layout.tensor_parallel * layout.pipeline_parallel)
     largest = facts.largest_block_parameters // layout.tensor_parallel
     n = layout.data_parallel
-    single = (est.components["parameters"] + est.components["gradients"]
-              + est.components["optimizer_state"]) // (layout.tensor_parallel
-                                                      * layout.pipeline_parallel)
+    single = (
+        est.components["parameters"]
+        + est.components["gradients"]
+        + est.components["optimizer_state"]
+    ) // (layout.tensor_parallel * layout.pipeline_parallel)
     if layout.shard == "zero1":
         return zero1_model_states(psi, n).gpu_bytes, 0
     if layout.shard == "zero2":
         states = zero2_model_states(psi, gpus_per_node=n, cpu_offload=layout.offload_optimizer)
         return states.gpu_bytes, states.cpu_bytes
     if layout.shard == "zero3":
-        states = zero3_model_states(psi, largest, gpus_per_node=n,
-                                    cpu_offload=layout.offload_optimizer,
-                                    cpu_offload_params=layout.offload_params)
+        states = zero3_model_states(
+            psi,
+            largest,
+            gpus_per_node=n,
+            cpu_offload=layout.offload_optimizer,
+            cpu_offload_params=layout.offload_params,
+        )
         return states.gpu_bytes, states.cpu_bytes
     per_param = single / max(1, psi)  # bytes per parameter in this recipe
     if layout.shard == "fsdp":  # FSDP2 full shard: states / N + two gathered blocks
@@ -128,14 +138,18 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
     if layout == ParallelLayout():
         return est
     gpu_states, host_states = _model_states(est, layout, facts)
-    working = est.components["activations"] + est.components["temporaries"] \
-        + est.components["inputs"]
+    working = (
+        est.components["activations"] + est.components["temporaries"] + est.components["inputs"]
+    )
     share = _activation_share(layout)
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(layout.shard, 0)
     buckets = bucket_bytes(stage, facts.parameters // layout.tensor_parallel)
     components = dict(est.components)
-    states_total = (est.components["parameters"] + est.components["gradients"]
-                    + est.components["optimizer_state"]) or 1
+    states_total = (
+        est.components["parameters"]
+        + est.components["gradients"]
+        + est.components["optimizer_state"]
+    ) or 1
     for name in ("parameters", "gradients", "optimizer_state"):
         components[name] = int(gpu_states * est.components[name] / states_total)
     for name in ("activations", "inputs"):
@@ -152,22 +166,42 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
     runtime = dict(est.runtime)
     runtime["nccl"] = runtime.get("nccl", 0) + nccl
     details = dict(est.details)
-    details["parallel"] = {"layout": layout.describe(), "world_size": layout.world_size,
-                           "model_state_bytes_per_gpu": gpu_states,
-                           "host_state_bytes": host_states, "bucket_bytes": buckets,
-                           "activation_share": round(share, 4),
-                           "working_set_single_gpu_bytes": working}
-    notes = (*est.notes, f"per-rank figures for {layout.describe()}: model states by the "
-             "sharding formulas, activations from the single-GPU trace scaled by the layout "
-             "(FSDP2/DeepSpeed engines are not traced themselves)")
-    peak = Peak(allocated_bytes=allocated, phase=est.peak.phase, iteration=est.peak.iteration,
-                reserved_bytes=reserved, device_total_bytes=device_total,
-                fragmentation_bytes=reserved - allocated)
+    details["parallel"] = {
+        "layout": layout.describe(),
+        "world_size": layout.world_size,
+        "model_state_bytes_per_gpu": gpu_states,
+        "host_state_bytes": host_states,
+        "bucket_bytes": buckets,
+        "activation_share": round(share, 4),
+        "working_set_single_gpu_bytes": working,
+    }
+    notes = (
+        *est.notes,
+        f"per-rank figures for {layout.describe()}: model states by the "
+        "sharding formulas, activations from the single-GPU trace scaled by the layout "
+        "(FSDP2/DeepSpeed engines are not traced themselves)",
+    )
+    peak = Peak(
+        allocated_bytes=allocated,
+        phase=est.peak.phase,
+        iteration=est.peak.iteration,
+        reserved_bytes=reserved,
+        device_total_bytes=device_total,
+        fragmentation_bytes=reserved - allocated,
+    )
     verdict = None
     if est.verdict is not None:
         from vramplan.device import judge
 
-        verdict = judge(est.verdict.gpu, est.verdict.capacity_bytes, est.verdict.headroom,
-                        device_total)
-    return replace(est, components=components, peak=peak, runtime=runtime, details=details,
-                   notes=notes, verdict=verdict)
+        verdict = judge(
+            est.verdict.gpu, est.verdict.capacity_bytes, est.verdict.headroom, device_total
+        )
+    return replace(
+        est,
+        components=components,
+        peak=peak,
+        runtime=runtime,
+        details=details,
+        notes=notes,
+        verdict=verdict,
+    )

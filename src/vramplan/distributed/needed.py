@@ -20,8 +20,11 @@ from vramplan.estimate import Estimate
 
 MAX_GPUS = 1024
 STRATEGIES = (
-    ParallelLayout(shard="none"), ParallelLayout(shard="zero1"), ParallelLayout(shard="zero2"),
-    ParallelLayout(shard="fsdp"), ParallelLayout(shard="zero3"),
+    ParallelLayout(shard="none"),
+    ParallelLayout(shard="zero1"),
+    ParallelLayout(shard="zero2"),
+    ParallelLayout(shard="fsdp"),
+    ParallelLayout(shard="zero3"),
     ParallelLayout(shard="zero3", offload_optimizer=True),
 )
 
@@ -35,9 +38,29 @@ class GpusNeeded:
     estimate: Estimate
 
     def to_json(self) -> dict:
-        return {"gpus": self.gpus, "layout": self.layout.describe(),
-                "per_rank_device_total_bytes": self.estimate.peak.device_total_bytes,
-                "status": self.estimate.verdict.status}
+        return {
+            "gpus": self.gpus,
+            "layout": self.layout.describe(),
+            "per_rank_device_total_bytes": self.estimate.peak.device_total_bytes,
+            "status": self.estimate.verdict.status,
+        }
+
+
+def _layouts(gpus: int, facts: ModelFacts) -> list[ParallelLayout]:
+    """Candidate layouts on ``gpus`` GPUs: data parallelism alone, least communication
+    first, then tensor parallelism with sequence parallelism inside a node (up to 8)."""
+    found = []
+    for tp in (1, 2, 4, 8):
+        if gpus % tp or (facts.heads and facts.heads % tp):
+            continue
+        for strategy in STRATEGIES:
+            dp = gpus // tp
+            if dp == 1 and strategy.shard != "none":
+                continue
+            found.append(ParallelLayout(shard=strategy.shard, data_parallel=dp,
+                                        tensor_parallel=tp, sequence_parallel=tp > 1,
+                                        offload_optimizer=strategy.offload_optimizer))
+    return found
 
 
 def gpus_needed(estimate: Estimate, facts: ModelFacts) -> GpusNeeded:
@@ -49,12 +72,17 @@ def gpus_needed(estimate: Estimate, facts: ModelFacts) -> GpusNeeded:
         for strategy in STRATEGIES:
             if gpus == 1 and strategy.shard != "none":
                 continue
-            layout = ParallelLayout(shard=strategy.shard, data_parallel=gpus,
-                                    offload_optimizer=strategy.offload_optimizer)
+            layout = ParallelLayout(
+                shard=strategy.shard,
+                data_parallel=gpus,
+                offload_optimizer=strategy.offload_optimizer,
+            )
             rank = per_rank(estimate, layout, facts)
             if rank.verdict.status == "fits":
                 return GpusNeeded(gpus, layout, rank)
         gpus *= 2
-    raise UserError(f"no data-parallel layout up to {MAX_GPUS} GPUs fits {estimate.verdict.gpu}:"
-                    " the per-GPU working set alone is too large; lower the batch or sequence"
-                    " length, or add tensor/pipeline parallelism")
+    raise UserError(
+        f"no data-parallel layout up to {MAX_GPUS} GPUs fits {estimate.verdict.gpu}:"
+        " the per-GPU working set alone is too large; lower the batch or sequence"
+        " length, or add tensor/pipeline parallelism"
+    )

@@ -12,15 +12,27 @@ from vramplan.distributed.layout import ParallelLayout
 from vramplan.errors import UserError
 
 
-def layout_from_flags(*, fsdp: int | None = None, world_size: int | None = None,
-                      shard: str = "full", reshard_after_forward: bool = True,
-                      zero: int | None = None, dp: int | None = None,
-                      offload_optimizer: bool = False, offload_params: bool = False,
-                      tp: int = 1, sp: bool = False, pp: int = 1,
-                      microbatches: int = 1) -> ParallelLayout:
+def layout_from_flags(
+    *,
+    fsdp: int | None = None,
+    world_size: int | None = None,
+    shard: str = "full",
+    reshard_after_forward: bool = True,
+    zero: int | None = None,
+    dp: int | None = None,
+    offload_optimizer: bool = False,
+    offload_params: bool = False,
+    tp: int = 1,
+    sp: bool = False,
+    pp: int = 1,
+    microbatches: int = 1,
+) -> ParallelLayout:
     """The layout the flags ask for; ``ParallelLayout()`` (one GPU) when they ask for none."""
-    chosen = [name for name, value in (("--fsdp", fsdp), ("--world-size", world_size),
-                                       ("--zero", zero)) if value is not None]
+    chosen = [
+        name
+        for name, value in (("--fsdp", fsdp), ("--world-size", world_size), ("--zero", zero))
+        if value is not None
+    ]
     if len(chosen) > 1:
         raise UserError(f"choose one of {', '.join(chosen)}")
     if zero is not None and zero not in (1, 2, 3):
@@ -43,6 +55,13 @@ def layout_from_flags(*, fsdp: int | None = None, world_size: int | None = None,
         degree = dp
     if sp and tp == 1:
         raise UserError("--sp needs --tp > 1")
-    return ParallelLayout(shard=sharding, data_parallel=degree, tensor_parallel=tp,
-                          sequence_parallel=sp, pipeline_parallel=pp, microbatches=microbatches,
-                          offload_optimizer=offload_optimizer, offload_params=offload_params)
+    return ParallelLayout(
+        shard=sharding,
+        data_parallel=degree,
+        tensor_parallel=tp,
+        sequence_parallel=sp,
+        pipeline_parallel=pp,
+        microbatches=microbatches,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+    )

@@ -35,8 +35,13 @@ def zero1_model_states(total_params: int, gpus: int) -> ModelStates:
     return ModelStates(gpu_bytes=4 * total_params + int(12 * total_params / gpus), cpu_bytes=0)
 
 
-def zero2_model_states(total_params: int, gpus_per_node: int = 1, nodes: int = 1,
-                       cpu_offload: bool = False, buffer_factor: float = 1.5) -> ModelStates:
+def zero2_model_states(
+    total_params: int,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    cpu_offload: bool = False,
+    buffer_factor: float = 1.5,
+) -> ModelStates:
     """DeepSpeed's ``estimate_zero2_model_states_mem_needs``."""
     gpus = nodes * gpus_per_node
     if cpu_offload:
@@ -48,9 +53,16 @@ def zero2_model_states(total_params: int, gpus_per_node: int = 1, nodes: int = 1
     return ModelStates(int(gpu), int(cpu))
 
 
-def zero3_model_states(total_params: int, largest_layer_params: int, gpus_per_node: int = 1,
-                       nodes: int = 1, cpu_offload: bool = False, cpu_offload_params: bool = False,
-                       zero_init: bool = True, buffer_factor: float = 1.5) -> ModelStates:
+def zero3_model_states(
+    total_params: int,
+    largest_layer_params: int,
+    gpus_per_node: int = 1,
+    nodes: int = 1,
+    cpu_offload: bool = False,
+    cpu_offload_params: bool = False,
+    zero_init: bool = True,
+    buffer_factor: float = 1.5,
+) -> ModelStates:
     """DeepSpeed's ``estimate_zero3_model_states_mem_needs``."""
     gpus = nodes * gpus_per_node
     gpus_factor = 1 / nodes
@@ -58,16 +70,26 @@ def zero3_model_states(total_params: int, largest_layer_params: int, gpus_per_no
     if cpu_offload:
         if cpu_offload_params:
             gpu = largest
-            cpu = total_params * (18 * gpus_factor if zero_init else
-                                  max(4 * gpus_per_node, 18 * gpus_factor)) * buffer_factor
+            cpu = (
+                total_params
+                * (18 * gpus_factor if zero_init else max(4 * gpus_per_node, 18 * gpus_factor))
+                * buffer_factor
+            )
         else:
             gpu = largest + int(2 * total_params / gpus)
-            cpu = total_params * (16 * gpus_factor if zero_init else
-                                  max(4 * gpus_per_node, 16 * gpus_factor)) * buffer_factor
+            cpu = (
+                total_params
+                * (16 * gpus_factor if zero_init else max(4 * gpus_per_node, 16 * gpus_factor))
+                * buffer_factor
+            )
     else:
         gpu = largest + int(18 * total_params / gpus)
-        cpu = (largest_layer_params if zero_init else total_params) * 4 * gpus_per_node \
+        cpu = (
+            (largest_layer_params if zero_init else total_params)
+            * 4
+            * gpus_per_node
             * buffer_factor
+        )
     return ModelStates(int(gpu), int(cpu), largest)
 
 
@@ -76,8 +98,10 @@ def bucket_bytes(stage: int, total_params: int, element_bytes: int = 2) -> int:
     elements), never more than the model itself."""
     if stage in (1, 2):
         return element_bytes * min(total_params, REDUCE_BUCKET_SIZE) + element_bytes * min(
-            total_params, ALLGATHER_BUCKET_SIZE)
+            total_params, ALLGATHER_BUCKET_SIZE
+        )
     if stage == 3:
-        return element_bytes * (min(total_params, STAGE3_PREFETCH_BUCKET_SIZE)
-                                + min(total_params, REDUCE_BUCKET_SIZE))
+        return element_bytes * (
+            min(total_params, STAGE3_PREFETCH_BUCKET_SIZE) + min(total_params, REDUCE_BUCKET_SIZE)
+        )
     return 0

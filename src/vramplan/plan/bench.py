@@ -1,8 +1,8 @@
 """A workbench that estimates a model under many recipes, counting and caching traces.
 
-    >>> bench = Workbench("torchvision:resnet18", device_options(gpu="t4"))   # doctest: +SKIP
-    >>> bench.estimate(Recipe(batch_size=64)).verdict.status                 # doctest: +SKIP
-    'fits'
+>>> bench = Workbench("torchvision:resnet18", device_options(gpu="t4"))   # doctest: +SKIP
+>>> bench.estimate(Recipe(batch_size=64)).verdict.status                 # doctest: +SKIP
+'fits'
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ class Workbench:
         key = recipe_key(recipe)
         if key not in self._done:
             self.traces += 1
-            self._done[key] = trace_and_estimate(self.build(self.model, recipe), recipe,
-                                                 "cuda", self.device)
+            self._done[key] = trace_and_estimate(
+                self.build(self.model, recipe), recipe, "cuda", self.device
+            )
         return self._done[key]
 
     def estimate(self, recipe: Recipe) -> Estimate:
@@ -57,12 +58,21 @@ class Workbench:
     def on(self, recipe: Recipe, gpu: GpuSpec) -> Estimate:
         """The same traced step judged against another card."""
         estimate, trace = self.run(recipe)
-        options = DeviceOptions(gpu=gpu, headroom=self.device.headroom,
-                                alloc_conf=self.device.alloc_conf,
-                                cudnn_benchmark=self.device.cudnn_benchmark,
-                                data_parallel=self.device.data_parallel)
-        base = estimate.with_changes(peak=estimate.peak.__class__(
-            allocated_bytes=estimate.details["tensor_allocated_bytes"],
-            phase=estimate.peak.phase, iteration=estimate.peak.iteration),
-            components=estimate.details["tensor_components"], runtime={}, verdict=None)
+        options = DeviceOptions(
+            gpu=gpu,
+            headroom=self.device.headroom,
+            alloc_conf=self.device.alloc_conf,
+            cudnn_benchmark=self.device.cudnn_benchmark,
+            data_parallel=self.device.data_parallel,
+        )
+        base = estimate.with_changes(
+            peak=estimate.peak.__class__(
+                allocated_bytes=estimate.details["tensor_allocated_bytes"],
+                phase=estimate.peak.phase,
+                iteration=estimate.peak.iteration,
+            ),
+            components=estimate.details["tensor_components"],
+            runtime={},
+            verdict=None,
+        )
         return apply_device(base, trace, options)

@@ -47,12 +47,17 @@ class HostMemory:
         return self.limit_bytes is not None and self.total_bytes > self.limit_bytes
 
     def to_json(self) -> dict:
-        return {"terms": dict(self.terms), "total_bytes": self.total_bytes,
-                "limit_bytes": self.limit_bytes, "exceeds_limit": self.exceeds_limit}
+        return {
+            "terms": dict(self.terms),
+            "total_bytes": self.total_bytes,
+            "limit_bytes": self.limit_bytes,
+            "exceeds_limit": self.exceeds_limit,
+        }
 
 
-def host_memory(estimate: Estimate, options: HostOptions, state_bytes: int | None = None
-                ) -> HostMemory:
+def host_memory(
+    estimate: Estimate, options: HostOptions, state_bytes: int | None = None
+) -> HostMemory:
     """Host RAM for ``estimate``'s run: batches in flight are workers × prefetch factor
     (the main process prefetches two when there are no workers), each pinned again when
     ``pin_memory`` is on; offloaded optimizer state lives on the host."""

@@ -23,9 +23,13 @@ from vramplan.trace.policy import CudaPolicy
 from vramplan.workload import Recipe
 
 ADAM_FAMILY = ("adam", "adamw")
-FLAG_NAMES = {"precision": "--precision", "checkpointing": "--checkpointing",
-              "optimizer": "--optimizer", "batch_size": "--batch-size",
-              "grad_accum": "--grad-accum"}
+FLAG_NAMES = {
+    "precision": "--precision",
+    "checkpointing": "--checkpointing",
+    "optimizer": "--optimizer",
+    "batch_size": "--batch-size",
+    "grad_accum": "--grad-accum",
+}
 
 
 @dataclass(frozen=True)
@@ -47,9 +51,15 @@ class LeverResult:
         return " ".join(f"{FLAG_NAMES[k]} {v}" for k, v in self.changes.items())
 
     def to_json(self) -> dict:
-        return {"name": self.name, "changes": self.changes, "flags": self.flags,
-                "status": self.status, "saved_bytes": self.saved_bytes, "cost": self.cost,
-                "peak": self.estimate.peak.to_json()}
+        return {
+            "name": self.name,
+            "changes": self.changes,
+            "flags": self.flags,
+            "status": self.status,
+            "saved_bytes": self.saved_bytes,
+            "cost": self.cost,
+            "peak": self.estimate.peak.to_json(),
+        }
 
 
 @dataclass(frozen=True)
@@ -62,9 +72,13 @@ class PlanResult:
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def to_json(self) -> dict:
-        return {"schema": "vramplan.plan/1", "estimate": self.baseline.to_json(timeline=False),
-                "levers": [lever.to_json() for lever in self.levers],
-                "plan": self.plan.to_json() if self.plan else None, "notes": list(self.notes)}
+        return {
+            "schema": "vramplan.plan/1",
+            "estimate": self.baseline.to_json(timeline=False),
+            "levers": [lever.to_json() for lever in self.levers],
+            "plan": self.plan.to_json() if self.plan else None,
+            "notes": list(self.notes),
+        }
 
 
 class _CountingPolicy(CudaPolicy):
@@ -95,19 +109,37 @@ def _candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]
     found = []
     if recipe.precision == "fp32":
         amp = _mixed_precision(bench)
-        risk = ("bf16: no loss scaling needed" if amp == "amp-bf16" else
-                "fp16: needs loss scaling (GradScaler); overflow risk")
+        risk = (
+            "bf16: no loss scaling needed"
+            if amp == "amp-bf16"
+            else "fp16: needs loss scaling (GradScaler); overflow risk"
+        )
         found.append(("mixed precision", {"precision": amp}, {"precision_risk": risk}))
     if recipe.checkpointing == "none" and recipe.is_training:
         found.append(("activation checkpointing", {"checkpointing": "full"}, {}))
     if recipe.optimizer in ADAM_FAMILY:
-        found.append(("8-bit Adam", {"optimizer": "adam8bit"},
-                      {"note": "bitsandbytes blockwise 8-bit states; Adam-quality updates"}))
-        found.append(("Adafactor", {"optimizer": "adafactor"},
-                      {"note": "factored second moment, no first moment"}))
+        found.append(
+            (
+                "8-bit Adam",
+                {"optimizer": "adam8bit"},
+                {"note": "bitsandbytes blockwise 8-bit states; Adam-quality updates"},
+            )
+        )
+        found.append(
+            (
+                "Adafactor",
+                {"optimizer": "adafactor"},
+                {"note": "factored second moment, no first moment"},
+            )
+        )
     elif recipe.optimizer == "momentum":
-        found.append(("SGD without momentum", {"optimizer": "sgd"},
-                      {"note": "drops the momentum buffer; changes the optimisation"}))
+        found.append(
+            (
+                "SGD without momentum",
+                {"optimizer": "sgd"},
+                {"note": "drops the momentum buffer; changes the optimisation"},
+            )
+        )
     return found
 
 
@@ -122,7 +154,11 @@ def _accumulate(bench: Workbench, recipe: Recipe, changes: dict) -> dict | None:
     for k in range(2, recipe.batch_size + 1):
         if recipe.batch_size % k:
             continue
-        trial = {**changes, "batch_size": recipe.batch_size // k, "grad_accum": recipe.grad_accum * k}
+        trial = {
+            **changes,
+            "batch_size": recipe.batch_size // k,
+            "grad_accum": recipe.grad_accum * k,
+        }
         if bench.fits(_apply(recipe, trial)):
             assert trial["batch_size"] * trial["grad_accum"] == batch
             return trial
@@ -147,8 +183,15 @@ def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
     return {**changes, "checkpointing": "full" if high == total else str(high)}
 
 
-def _result(bench: Workbench, recipe: Recipe, name: str, changes: dict, cost: dict,
-            baseline: Estimate, base_flops: int | None) -> LeverResult:
+def _result(
+    bench: Workbench,
+    recipe: Recipe,
+    name: str,
+    changes: dict,
+    cost: dict,
+    baseline: Estimate,
+    base_flops: int | None,
+) -> LeverResult:
     estimate = bench.estimate(_apply(recipe, changes))
     cost = dict(cost)
     if changes.get("checkpointing", "none") != "none" and base_flops:
@@ -164,28 +207,46 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
     """Every lever alone, ranked in the standard order, then the first plan that fits."""
     baseline = bench.estimate(recipe)
     base_flops = step_flops(bench, recipe) if recipe.is_training else None
-    levers = [_result(bench, recipe, name, changes, cost, baseline, base_flops)
-              for name, changes, cost in _candidates(bench, recipe)]
+    levers = [
+        _result(bench, recipe, name, changes, cost, baseline, base_flops)
+        for name, changes, cost in _candidates(bench, recipe)
+    ]
     if recipe.is_training and recipe.batch_size > 1:
         accumulation = _accumulate(bench, recipe, {})
         if accumulation is None:
-            halves = {"batch_size": max(1, recipe.batch_size // 2),
-                      "grad_accum": recipe.grad_accum * 2} if recipe.batch_size % 2 == 0 else None
+            halves = (
+                {"batch_size": max(1, recipe.batch_size // 2), "grad_accum": recipe.grad_accum * 2}
+                if recipe.batch_size % 2 == 0
+                else None
+            )
             accumulation = halves
         if accumulation is not None:
-            levers.append(_result(bench, recipe, "gradient accumulation", accumulation, {},
-                                  baseline, base_flops))
+            levers.append(
+                _result(
+                    bench, recipe, "gradient accumulation", accumulation, {}, baseline, base_flops
+                )
+            )
     notes = ["sharding (ZeRO/FSDP) and CPU offload are not modelled as levers yet"]
-    plan = None if baseline.verdict.status == "fits" else _first_plan(
-        bench, recipe, levers, baseline, base_flops)
+    plan = (
+        None
+        if baseline.verdict.status == "fits"
+        else _first_plan(bench, recipe, levers, baseline, base_flops)
+    )
     if baseline.verdict.status != "fits" and plan is None:
-        notes.append("no combination of these levers fits this card at this batch: "
-                     "a larger card, or sharding across GPUs, is needed")
+        notes.append(
+            "no combination of these levers fits this card at this batch: "
+            "a larger card, or sharding across GPUs, is needed"
+        )
     return PlanResult(baseline, tuple(levers), plan, tuple(notes))
 
 
-def _first_plan(bench: Workbench, recipe: Recipe, levers: list[LeverResult],
-                baseline: Estimate, base_flops: int | None) -> LeverResult | None:
+def _first_plan(
+    bench: Workbench,
+    recipe: Recipe,
+    levers: list[LeverResult],
+    baseline: Estimate,
+    base_flops: int | None,
+) -> LeverResult | None:
     """The smallest set of levers, in the standard order, that fits: a single lever if one
     does, else growing prefixes (precision, + checkpointing, + optimizer), each tried with
     gradient accumulation when it does not fit alone; checkpointing is then trimmed to the
@@ -202,8 +263,11 @@ def _first_plan(bench: Workbench, recipe: Recipe, levers: list[LeverResult],
             continue
         changes = {**changes, **lever.changes}
         names.append(lever.name)
-        trial = changes if bench.fits(_apply(recipe, changes)) else (
-            _accumulate(bench, recipe, changes) if recipe.batch_size > 1 else None)
+        trial = (
+            changes
+            if bench.fits(_apply(recipe, changes))
+            else (_accumulate(bench, recipe, changes) if recipe.batch_size > 1 else None)
+        )
         if trial is not None:
             trial = _selective(bench, recipe, trial)
             if "grad_accum" in trial and "gradient accumulation" not in names:

@@ -45,9 +45,11 @@ class SearchResult:
             "estimate": self.estimate.to_json(timeline=False),
         }
         if self.beyond is not None:
-            data["next"] = {"value": self.value + 1,
-                            "device_total_bytes": self.beyond.peak.device_total_bytes,
-                            "status": self.beyond.verdict.status}
+            data["next"] = {
+                "value": self.value + 1,
+                "device_total_bytes": self.beyond.peak.device_total_bytes,
+                "status": self.beyond.verdict.status,
+            }
         return data
 
 
@@ -78,8 +80,9 @@ def bisection_cost(first: int, answer: int) -> int:
     return doublings + max(1, (upper - upper // 2).bit_length() - 1)
 
 
-def largest_fitting(bench: Workbench, recipe: Recipe, knob: str = "batch_size",
-                    start: int | None = None) -> SearchResult:
+def largest_fitting(
+    bench: Workbench, recipe: Recipe, knob: str = "batch_size", start: int | None = None
+) -> SearchResult:
     """Search ``knob`` (batch_size or seq_len) for the largest value that fits."""
     if knob not in KNOBS:
         raise UserError(f"cannot search {knob!r}; choose batch_size or seq_len")
@@ -116,15 +119,23 @@ def largest_fitting(bench: Workbench, recipe: Recipe, knob: str = "batch_size",
             predicted = (low + high) // 2
         candidate = predicted
     beyond = bench.estimate(recipe.with_changes(**{knob: high})) if high == low + 1 else None
-    return SearchResult(knob, low, bench.estimate(recipe.with_changes(**{knob: low})), beyond,
-                        bench.traces - before, bisection_traces=bisection_cost(first, low))
+    return SearchResult(
+        knob,
+        low,
+        bench.estimate(recipe.with_changes(**{knob: low})),
+        beyond,
+        bench.traces - before,
+        bisection_traces=bisection_cost(first, low),
+    )
 
 
 def _cannot_fit_message(bench: Workbench, recipe: Recipe, knob: str) -> str:
     estimate = bench.estimate(recipe)
     verdict = estimate.verdict
     missing = estimate.peak.device_total_bytes - verdict.usable_bytes
-    return (f"{bench.model} does not fit {verdict.gpu} even at {KNOBS[knob]} "
-            f"{getattr(recipe, knob)}: it needs {estimate.peak.device_total_bytes:,} bytes, "
-            f"{missing:,} more than the {verdict.usable_bytes:,} usable after "
-            f"{verdict.headroom:.0%} headroom; try `vramplan plan` for levers")
+    return (
+        f"{bench.model} does not fit {verdict.gpu} even at {KNOBS[knob]} "
+        f"{getattr(recipe, knob)}: it needs {estimate.peak.device_total_bytes:,} bytes, "
+        f"{missing:,} more than the {verdict.usable_bytes:,} usable after "
+        f"{verdict.headroom:.0%} headroom; try `vramplan plan` for levers"
+    )

@@ -19,8 +19,7 @@ def component_bar(components: dict[str, int], width: int = 60) -> Text:
     used = 0
     names = [n for n in COMPONENTS if components.get(n, 0) > 0]
     for i, name in enumerate(names):
-        cells = (width - used if i == len(names) - 1
-                 else round(components[name] / total * width))
+        cells = width - used if i == len(names) - 1 else round(components[name] / total * width)
         glyph = "█" if i % 2 == 0 else "░"
         bar.append(glyph * cells, style=COLOURS[name])
         used += cells

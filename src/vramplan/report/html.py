@@ -15,8 +15,12 @@ from vramplan.report.palette import COLOURS, LABELS
 from vramplan.units import Units, format_bytes
 
 WIDTH = 1100
-PHASE_SHADES = {"setup": "#f4f4f4", "forward": "#e8f1fa", "backward": "#fbeee6",
-                "optimizer": "#eef7f1"}
+PHASE_SHADES = {
+    "setup": "#f4f4f4",
+    "forward": "#e8f1fa",
+    "backward": "#fbeee6",
+    "optimizer": "#eef7f1",
+}
 
 
 @dataclass(frozen=True)
@@ -54,12 +58,17 @@ def _ticks(top: int, count: int = 5) -> list[int]:
 def _peak_bar(est: Estimate, units: Units) -> str:
     """Horizontal stacked bar of the components, with reserved, device total, capacity."""
     peak = est.peak
-    figures = [("allocated", peak.allocated_bytes), ("reserved", peak.reserved_bytes),
-               ("device total", peak.device_total_bytes)]
+    figures = [
+        ("allocated", peak.allocated_bytes),
+        ("reserved", peak.reserved_bytes),
+        ("device total", peak.device_total_bytes),
+    ]
     marks = [(name, value) for name, value in figures[1:] if value]
     if est.verdict is not None:
-        marks += [("capacity", est.verdict.capacity_bytes),
-                  (f"usable ({est.verdict.headroom:.0%} headroom)", est.verdict.usable_bytes)]
+        marks += [
+            ("capacity", est.verdict.capacity_bytes),
+            (f"usable ({est.verdict.headroom:.0%} headroom)", est.verdict.usable_bytes),
+        ]
     top = max([peak.allocated_bytes, *(v for _, v in marks)]) or 1
     left, bar_w, y, h = 150, WIDTH - 190, 30, 46
     scale = bar_w / top
@@ -69,34 +78,46 @@ def _peak_bar(est: Estimate, units: Units) -> str:
         if value <= 0:
             continue
         w = value * scale
-        parts.append(f'<rect class="segment" data-component="{name}" data-bytes="{value}" '
-                     f'x="{x:.1f}" y="{y}" width="{w:.1f}" height="{h}" '
-                     f'fill="{COLOURS[name]}"><title>{LABELS[name]}: {_e(format_bytes(value, units))}'
-                     f'</title></rect>')
+        parts.append(
+            f'<rect class="segment" data-component="{name}" data-bytes="{value}" '
+            f'x="{x:.1f}" y="{y}" width="{w:.1f}" height="{h}" '
+            f'fill="{COLOURS[name]}"><title>{LABELS[name]}: {_e(format_bytes(value, units))}'
+            f"</title></rect>"
+        )
         x += w
     parts.append(f'<text x="{left - 8}" y="{y + h / 2 + 4}" text-anchor="end">allocated</text>')
     for i, (name, value) in enumerate(marks):
         mx = left + value * scale
         dash = ' stroke-dasharray="6 4"' if name.startswith("usable") else ""
-        parts.append(f'<line class="mark" data-mark="{_e(name)}" data-bytes="{value}" x1="{mx:.1f}"'
-                     f' x2="{mx:.1f}" y1="{y - 12}" y2="{y + h + 12}" stroke="#222"'
-                     f' stroke-width="2"{dash}/>')
+        parts.append(
+            f'<line class="mark" data-mark="{_e(name)}" data-bytes="{value}" x1="{mx:.1f}"'
+            f' x2="{mx:.1f}" y1="{y - 12}" y2="{y + h + 12}" stroke="#222"'
+            f' stroke-width="2"{dash}/>'
+        )
         anchor = "end" if mx > left + 0.75 * bar_w else "start" if mx < left + 80 else "middle"
-        parts.append(f'<text x="{mx:.1f}" y="{y + h + 28 + 14 * i}" text-anchor="{anchor}">'
-                     f'{_e(name)} {_e(format_bytes(value, units))}</text>')
+        parts.append(
+            f'<text x="{mx:.1f}" y="{y + h + 28 + 14 * i}" text-anchor="{anchor}">'
+            f"{_e(name)} {_e(format_bytes(value, units))}</text>"
+        )
     for tick in _ticks(top):
         tx = left + tick * scale
         if tx <= left + bar_w + 1:
-            parts.append(f'<text class="tick" x="{tx:.1f}" y="{y - 16}" text-anchor="middle">'
-                         f'{_e(format_bytes(tick, units, 0))}</text>')
+            parts.append(
+                f'<text class="tick" x="{tx:.1f}" y="{y - 16}" text-anchor="middle">'
+                f"{_e(format_bytes(tick, units, 0))}</text>"
+            )
     height = y + h + 40 + 14 * len(marks)
-    return (f'<svg id="peak-bar" role="img" aria-label="components at the peak" '
-            f'viewBox="0 0 {WIDTH} {height}" width="100%">{"".join(parts)}</svg>')
+    return (
+        f'<svg id="peak-bar" role="img" aria-label="components at the peak" '
+        f'viewBox="0 0 {WIDTH} {height}" width="100%">{"".join(parts)}</svg>'
+    )
 
 
 def _legend() -> str:
-    items = "".join(f'<span class="key"><i style="background:{COLOURS[n]}"></i>{LABELS[n]}</span>'
-                    for n in COMPONENTS)
+    items = "".join(
+        f'<span class="key"><i style="background:{COLOURS[n]}"></i>{LABELS[n]}</span>'
+        for n in COMPONENTS
+    )
     return f'<div class="legend">{items}</div>'
 
 
@@ -116,43 +137,61 @@ def _timeline(est: Estimate, units: Units) -> str:
     for point in [*points[1:], None]:
         if point is None or point.phase != start.phase or point.iteration != start.iteration:
             end = point.index if point is not None else last
-            parts.append(f'<rect class="phase" data-phase="{start.phase}" x="{sx(start.index):.1f}"'
-                         f' y="{top_y}" width="{max(0.5, sx(end) - sx(start.index)):.1f}"'
-                         f' height="{plot_h}" fill="{PHASE_SHADES.get(start.phase, "#fff")}"/>')
+            parts.append(
+                f'<rect class="phase" data-phase="{start.phase}" x="{sx(start.index):.1f}"'
+                f' y="{top_y}" width="{max(0.5, sx(end) - sx(start.index)):.1f}"'
+                f' height="{plot_h}" fill="{PHASE_SHADES.get(start.phase, "#fff")}"/>'
+            )
             label_x = (sx(start.index) + sx(end)) / 2
             if sx(end) - sx(start.index) > 60:
-                parts.append(f'<text x="{label_x:.1f}" y="{top_y + 14}" text-anchor="middle" '
-                             f'class="phase-label">{start.phase} {start.iteration}</text>')
+                parts.append(
+                    f'<text x="{label_x:.1f}" y="{top_y + 14}" text-anchor="middle" '
+                    f'class="phase-label">{start.phase} {start.iteration}</text>'
+                )
             start = point
     below = [0] * len(points)
     for name in COMPONENTS:
         if not any(p.components.get(name, 0) for p in points):
             continue
         upper = [b + p.components.get(name, 0) for b, p in zip(below, points, strict=True)]
-        path = " ".join(f"{sx(p.index):.1f},{sy(u):.1f}" for p, u in zip(points, upper, strict=True))
-        back = " ".join(f"{sx(p.index):.1f},{sy(b):.1f}"
-                        for p, b in reversed(list(zip(points, below, strict=True))))
-        parts.append(f'<polygon class="area" data-component="{name}" points="{path} {back}" '
-                     f'fill="{COLOURS[name]}" fill-opacity="0.85"><title>{LABELS[name]}</title>'
-                     f'</polygon>')
+        path = " ".join(
+            f"{sx(p.index):.1f},{sy(u):.1f}" for p, u in zip(points, upper, strict=True)
+        )
+        back = " ".join(
+            f"{sx(p.index):.1f},{sy(b):.1f}"
+            for p, b in reversed(list(zip(points, below, strict=True)))
+        )
+        parts.append(
+            f'<polygon class="area" data-component="{name}" points="{path} {back}" '
+            f'fill="{COLOURS[name]}" fill-opacity="0.85"><title>{LABELS[name]}</title>'
+            f"</polygon>"
+        )
         below = upper
     peak_point = max(points, key=lambda p: p.total)
     px, py = sx(peak_point.index), sy(peak_point.total)
-    parts.append(f'<circle id="peak-marker" cx="{px:.1f}" cy="{py:.1f}" r="5" fill="#000"/>'
-                 f'<text x="{min(px + 8, WIDTH - 200):.1f}" y="{py + 4:.1f}">peak '
-                 f'{_e(format_bytes(peak_point.total, units))} ({peak_point.phase})</text>')
+    parts.append(
+        f'<circle id="peak-marker" cx="{px:.1f}" cy="{py:.1f}" r="5" fill="#000"/>'
+        f'<text x="{min(px + 8, WIDTH - 200):.1f}" y="{py + 4:.1f}">peak '
+        f"{_e(format_bytes(peak_point.total, units))} ({peak_point.phase})</text>"
+    )
     for tick in _ticks(top):
         if tick <= top:
-            parts.append(f'<line x1="{left}" x2="{left + plot_w}" y1="{sy(tick):.1f}" '
-                         f'y2="{sy(tick):.1f}" stroke="#ccc" stroke-width="0.5"/>'
-                         f'<text class="tick" x="{left - 6}" y="{sy(tick) + 4:.1f}" '
-                         f'text-anchor="end">{_e(format_bytes(tick, units, 0))}</text>')
-    parts.append(f'<text x="{left + plot_w / 2}" y="{top_y + plot_h + 30}" text-anchor="middle">'
-                 'traced allocation events (time order)</text>'
-                 f'<text transform="translate(16 {top_y + plot_h / 2}) rotate(-90)" '
-                 'text-anchor="middle">live tensor memory</text>')
-    return (f'<svg id="timeline" role="img" aria-label="memory timeline" '
-            f'viewBox="0 0 {WIDTH} {top_y + plot_h + 40}" width="100%">{"".join(parts)}</svg>')
+            parts.append(
+                f'<line x1="{left}" x2="{left + plot_w}" y1="{sy(tick):.1f}" '
+                f'y2="{sy(tick):.1f}" stroke="#ccc" stroke-width="0.5"/>'
+                f'<text class="tick" x="{left - 6}" y="{sy(tick) + 4:.1f}" '
+                f'text-anchor="end">{_e(format_bytes(tick, units, 0))}</text>'
+            )
+    parts.append(
+        f'<text x="{left + plot_w / 2}" y="{top_y + plot_h + 30}" text-anchor="middle">'
+        "traced allocation events (time order)</text>"
+        f'<text transform="translate(16 {top_y + plot_h / 2}) rotate(-90)" '
+        'text-anchor="middle">live tensor memory</text>'
+    )
+    return (
+        f'<svg id="timeline" role="img" aria-label="memory timeline" '
+        f'viewBox="0 0 {WIDTH} {top_y + plot_h + 40}" width="100%">{"".join(parts)}</svg>'
+    )
 
 
 def _batch_curve(curve: BatchCurve | None, units: Units) -> str:
@@ -165,41 +204,61 @@ def _batch_curve(curve: BatchCurve | None, units: Units) -> str:
     sx = lambda b: left + b / max_b * plot_w  # noqa: E731
     sy = lambda v: top_y + plot_h - v / top * plot_h  # noqa: E731
     parts = []
-    for key, colour in (("allocated_bytes", COLOURS["activations"]),
-                        ("device_total_bytes", COLOURS["parameters"])):
+    for key, colour in (
+        ("allocated_bytes", COLOURS["activations"]),
+        ("device_total_bytes", COLOURS["parameters"]),
+    ):
         coords = " ".join(f"{sx(p.batch_size):.1f},{sy(getattr(p, key)):.1f}" for p in curve.points)
-        parts.append(f'<polyline class="curve" data-series="{key}" points="{coords}" fill="none" '
-                     f'stroke="{colour}" stroke-width="2.5"/>')
+        parts.append(
+            f'<polyline class="curve" data-series="{key}" points="{coords}" fill="none" '
+            f'stroke="{colour}" stroke-width="2.5"/>'
+        )
         for p in curve.points:
-            parts.append(f'<circle class="curve-point" data-batch="{p.batch_size}" '
-                         f'data-bytes="{getattr(p, key)}" cx="{sx(p.batch_size):.1f}" '
-                         f'cy="{sy(getattr(p, key)):.1f}" r="3.5" fill="{colour}"/>')
-    parts.append(f'<text x="{left + plot_w + 8}" y="{sy(curve.points[-1].device_total_bytes):.1f}"'
-                 '>device total</text>'
-                 f'<text x="{left + plot_w + 8}" y="{sy(curve.points[-1].allocated_bytes) + 14:.1f}"'
-                 '>allocated</text>')
+            parts.append(
+                f'<circle class="curve-point" data-batch="{p.batch_size}" '
+                f'data-bytes="{getattr(p, key)}" cx="{sx(p.batch_size):.1f}" '
+                f'cy="{sy(getattr(p, key)):.1f}" r="3.5" fill="{colour}"/>'
+            )
+    parts.append(
+        f'<text x="{left + plot_w + 8}" y="{sy(curve.points[-1].device_total_bytes):.1f}"'
+        ">device total</text>"
+        f'<text x="{left + plot_w + 8}" y="{sy(curve.points[-1].allocated_bytes) + 14:.1f}"'
+        ">allocated</text>"
+    )
     for name, usable in curve.capacities.items():
-        parts.append(f'<line class="gpu-line" data-gpu="{_e(name)}" x1="{left}" '
-                     f'x2="{left + plot_w}" y1="{sy(usable):.1f}" y2="{sy(usable):.1f}" '
-                     'stroke="#222" stroke-dasharray="6 4"/><text x="'
-                     f'{left + plot_w + 8}" y="{sy(usable) + 4:.1f}">{_e(name)} usable</text>')
+        parts.append(
+            f'<line class="gpu-line" data-gpu="{_e(name)}" x1="{left}" '
+            f'x2="{left + plot_w}" y1="{sy(usable):.1f}" y2="{sy(usable):.1f}" '
+            'stroke="#222" stroke-dasharray="6 4"/><text x="'
+            f'{left + plot_w + 8}" y="{sy(usable) + 4:.1f}">{_e(name)} usable</text>'
+        )
     if curve.max_batch:
         mx = sx(curve.max_batch)
-        parts.append(f'<line id="max-batch" x1="{mx:.1f}" x2="{mx:.1f}" y1="{top_y}" '
-                     f'y2="{top_y + plot_h}" stroke="#009E73" stroke-width="2"/>'
-                     f'<text x="{mx + 4:.1f}" y="{top_y + 12}">max batch {curve.max_batch}</text>')
+        parts.append(
+            f'<line id="max-batch" x1="{mx:.1f}" x2="{mx:.1f}" y1="{top_y}" '
+            f'y2="{top_y + plot_h}" stroke="#009E73" stroke-width="2"/>'
+            f'<text x="{mx + 4:.1f}" y="{top_y + 12}">max batch {curve.max_batch}</text>'
+        )
     for tick in _ticks(top):
         if tick <= top:
-            parts.append(f'<text class="tick" x="{left - 6}" y="{sy(tick) + 4:.1f}" '
-                         f'text-anchor="end">{_e(format_bytes(tick, units, 0))}</text>')
+            parts.append(
+                f'<text class="tick" x="{left - 6}" y="{sy(tick) + 4:.1f}" '
+                f'text-anchor="end">{_e(format_bytes(tick, units, 0))}</text>'
+            )
     for p in curve.points:
-        parts.append(f'<text class="tick" x="{sx(p.batch_size):.1f}" y="{top_y + plot_h + 16}" '
-                     f'text-anchor="middle">{p.batch_size}</text>')
-    parts.append(f'<text x="{left + plot_w / 2}" y="{top_y + plot_h + 36}" text-anchor="middle">'
-                 'batch size</text><text transform="translate(16 '
-                 f'{top_y + plot_h / 2}) rotate(-90)" text-anchor="middle">predicted peak</text>')
-    return (f'<svg id="batch-curve" role="img" aria-label="peak against batch size" '
-            f'viewBox="0 0 {WIDTH} {top_y + plot_h + 46}" width="100%">{"".join(parts)}</svg>')
+        parts.append(
+            f'<text class="tick" x="{sx(p.batch_size):.1f}" y="{top_y + plot_h + 16}" '
+            f'text-anchor="middle">{p.batch_size}</text>'
+        )
+    parts.append(
+        f'<text x="{left + plot_w / 2}" y="{top_y + plot_h + 36}" text-anchor="middle">'
+        'batch size</text><text transform="translate(16 '
+        f'{top_y + plot_h / 2}) rotate(-90)" text-anchor="middle">predicted peak</text>'
+    )
+    return (
+        f'<svg id="batch-curve" role="img" aria-label="peak against batch size" '
+        f'viewBox="0 0 {WIDTH} {top_y + plot_h + 46}" width="100%">{"".join(parts)}</svg>'
+    )
 
 
 def _table(rows: list[list[str]], header: list[str], table_id: str) -> str:
@@ -209,14 +268,23 @@ def _table(rows: list[list[str]], header: list[str], table_id: str) -> str:
 
 
 def _summary_rows(est: Estimate, units: Units) -> list[list[str]]:
-    rows = [["peak allocated", format_bytes(est.peak.allocated_bytes, units),
-             f"{est.peak.allocated_bytes:,}"]]
-    for label, value in (("peak reserved", est.peak.reserved_bytes),
-                         ("device total", est.peak.device_total_bytes)):
+    rows = [
+        [
+            "peak allocated",
+            format_bytes(est.peak.allocated_bytes, units),
+            f"{est.peak.allocated_bytes:,}",
+        ]
+    ]
+    for label, value in (
+        ("peak reserved", est.peak.reserved_bytes),
+        ("device total", est.peak.device_total_bytes),
+    ):
         if value is not None:
             rows.append([label, format_bytes(value, units), f"{value:,}"])
-    rows += [[LABELS[n], format_bytes(est.components[n], units), f"{est.components[n]:,}"]
-             for n in COMPONENTS]
+    rows += [
+        [LABELS[n], format_bytes(est.components[n], units), f"{est.components[n]:,}"]
+        for n in COMPONENTS
+    ]
     return rows
 
 
@@ -237,46 +305,69 @@ pre{background:#f6f6f6;padding:10px;overflow-x:auto;font-size:12px}
 """
 
 
-def render_html(est: Estimate, *, units: Units = "binary", batch_curve: BatchCurve | None = None,
-                plan: list[list[str]] | None = None, measurement: list[list[str]] | None = None,
-                command: str = "") -> str:
+def render_html(
+    est: Estimate,
+    *,
+    units: Units = "binary",
+    batch_curve: BatchCurve | None = None,
+    plan: list[list[str]] | None = None,
+    measurement: list[list[str]] | None = None,
+    command: str = "",
+) -> str:
     """The whole report as one HTML string."""
     verdict = ""
     if est.verdict is not None:
         v = est.verdict
-        spare = (f"{format_bytes(v.spare_bytes, units)} to spare" if v.spare_bytes >= 0 else
-                 f"{format_bytes(-v.spare_bytes, units)} missing")
-        verdict = (f'<p id="verdict">On {_e(v.gpu)} ({_e(format_bytes(v.capacity_bytes, units))},'
-                   f' {v.headroom:.0%} headroom): <span class="badge {v.status}">'
-                   f'{v.status.upper()}</span> — {_e(spare)}</p>')
-    modules = _table([[m.name, m.kind, format_bytes(m.activation_bytes, units)]
-                      for m in est.top_modules], ["module", "type", "activations"], "modules")
+        spare = (
+            f"{format_bytes(v.spare_bytes, units)} to spare"
+            if v.spare_bytes >= 0
+            else f"{format_bytes(-v.spare_bytes, units)} missing"
+        )
+        verdict = (
+            f'<p id="verdict">On {_e(v.gpu)} ({_e(format_bytes(v.capacity_bytes, units))},'
+            f' {v.headroom:.0%} headroom): <span class="badge {v.status}">'
+            f"{v.status.upper()}</span> — {_e(spare)}</p>"
+        )
+    modules = _table(
+        [[m.name, m.kind, format_bytes(m.activation_bytes, units)] for m in est.top_modules],
+        ["module", "type", "activations"],
+        "modules",
+    )
     sections = [
         f"<h1>{_e(est.model.name)}</h1><p>{_e(est.model.architecture)}, "
         f"{est.model.parameters:,} parameters — peak in {_e(est.peak.phase)}</p>{verdict}",
-        "<h2>Breakdown at the peak</h2>", _legend(), _peak_bar(est, units),
+        "<h2>Breakdown at the peak</h2>",
+        _legend(),
+        _peak_bar(est, units),
         _table(_summary_rows(est, units), ["figure", "size", "bytes"], "summary"),
-        "<h2>Memory over the traced iterations</h2>", _timeline(est, units),
-        "<h2>Top modules by activation bytes at the peak</h2>", modules,
-        "<h2>Peak against batch size</h2>", _batch_curve(batch_curve, units),
+        "<h2>Memory over the traced iterations</h2>",
+        _timeline(est, units),
+        "<h2>Top modules by activation bytes at the peak</h2>",
+        modules,
+        "<h2>Peak against batch size</h2>",
+        _batch_curve(batch_curve, units),
     ]
     if plan:
         sections += ["<h2>Plan</h2>", _table(plan[1:], plan[0], "plan")]
     if measurement:
-        sections += ["<h2>Estimate vs measurement</h2>",
-                     _table(measurement[1:], measurement[0], "measurement")]
+        sections += [
+            "<h2>Estimate vs measurement</h2>",
+            _table(measurement[1:], measurement[0], "measurement"),
+        ]
     notes = "".join(f"<li>{_e(n)}</li>" for n in est.notes)
     data = est.to_json(timeline=False)
     inputs = {"command": command, "recipe": data["recipe"], "versions": data["versions"]}
     embedded = json.dumps(data).replace("</", "<\\/")
-    sections += [f"<h2>Notes</h2><ul>{notes}</ul>",
-                 "<h2>Inputs (to reproduce)</h2>",
-                 f'<pre id="inputs">{_e(json.dumps(inputs, indent=2))}</pre>',
-                 f'<script type="application/json" id="estimate-json">'
-                 f'{embedded}</script>',
-                 f"<p>Sizes in {'MiB/GiB (2^20/2^30 bytes)' if units == 'binary' else 'MB/GB'}"
-                 ".</p>"]
-    return ("<!DOCTYPE html><html lang=\"en\"><head><meta charset=\"utf-8\">"
-            "<meta name=\"viewport\" content=\"width=device-width, initial-scale=1\">"
-            f"<title>vramplan — {_e(est.model.name)}</title><style>{STYLE}</style></head>"
-            f"<body>{''.join(sections)}</body></html>")
+    sections += [
+        f"<h2>Notes</h2><ul>{notes}</ul>",
+        "<h2>Inputs (to reproduce)</h2>",
+        f'<pre id="inputs">{_e(json.dumps(inputs, indent=2))}</pre>',
+        f'<script type="application/json" id="estimate-json">{embedded}</script>',
+        f"<p>Sizes in {'MiB/GiB (2^20/2^30 bytes)' if units == 'binary' else 'MB/GB'}.</p>",
+    ]
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        '<meta name="viewport" content="width=device-width, initial-scale=1">'
+        f"<title>vramplan — {_e(est.model.name)}</title><style>{STYLE}</style></head>"
+        f"<body>{''.join(sections)}</body></html>"
+    )

@@ -1,6 +1,6 @@
 """Write the optional report files a command was asked for (``--html``, ``--plot``).
 
-    write_reports(estimate, html="report.html", plot=None, units="binary")
+write_reports(estimate, html="report.html", plot=None, units="binary")
 """
 
 from __future__ import annotations
@@ -21,20 +21,36 @@ def batch_curve_for(estimate: Estimate, estimate_at) -> BatchCurve:
     points = []
     for size in sizes:
         at = estimate if size == batch else estimate_at(size)
-        points.append(CurvePoint(size, at.peak.allocated_bytes,
-                                 at.peak.device_total_bytes or at.peak.allocated_bytes))
+        points.append(
+            CurvePoint(
+                size, at.peak.allocated_bytes, at.peak.device_total_bytes or at.peak.allocated_bytes
+            )
+        )
     capacities = {estimate.verdict.gpu: estimate.verdict.usable_bytes} if estimate.verdict else {}
     return BatchCurve(tuple(points), capacities)
 
 
-def write_reports(estimate: Estimate, *, html: str | None, plot: str | None, units: str,
-                  batch_curve: BatchCurve | None = None, plan: list[list[str]] | None = None,
-                  measurement: list[list[str]] | None = None) -> None:
+def write_reports(
+    estimate: Estimate,
+    *,
+    html: str | None,
+    plot: str | None,
+    units: str,
+    batch_curve: BatchCurve | None = None,
+    plan: list[list[str]] | None = None,
+    measurement: list[list[str]] | None = None,
+) -> None:
     """Write the HTML report and/or the PNG; never touch anything else."""
     if html:
         command = shlex.join(["vramplan", *sys.argv[1:]])
-        text = render_html(estimate, units=units, batch_curve=batch_curve, plan=plan,
-                           measurement=measurement, command=command)
+        text = render_html(
+            estimate,
+            units=units,
+            batch_curve=batch_curve,
+            plan=plan,
+            measurement=measurement,
+            command=command,
+        )
         try:
             Path(html).write_text(text, encoding="utf-8")
         except OSError as exc:

@@ -15,7 +15,11 @@ COLOURS = {
     "inputs": "#F0E442",
 }
 LABELS = {
-    "parameters": "parameters", "buffers": "buffers", "gradients": "gradients",
-    "optimizer_state": "optimizer state", "activations": "activations",
-    "temporaries": "temporaries / workspace", "inputs": "input batch",
+    "parameters": "parameters",
+    "buffers": "buffers",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations",
+    "temporaries": "temporaries / workspace",
+    "inputs": "input batch",
 }

@@ -1,6 +1,6 @@
 """``--plot file.png``: the breakdown and the timeline as an image (matplotlib, optional).
 
-    >>> write_plot(estimate, "memory.png")   # doctest: +SKIP
+>>> write_plot(estimate, "memory.png")   # doctest: +SKIP
 """
 
 from __future__ import annotations
@@ -26,11 +26,20 @@ def write_plot(est: Estimate, path: str, units: Units = "binary") -> None:
     for name in COMPONENTS:
         value = est.components.get(name, 0) / scale
         if value:
-            bar.barh(0, value, left=left, color=COLOURS[name], label=LABELS[name],
-                     edgecolor="black", linewidth=0.4)
+            bar.barh(
+                0,
+                value,
+                left=left,
+                color=COLOURS[name],
+                label=LABELS[name],
+                edgecolor="black",
+                linewidth=0.4,
+            )
             left += value
-    for label, value in (("reserved", est.peak.reserved_bytes),
-                         ("device total", est.peak.device_total_bytes)):
+    for label, value in (
+        ("reserved", est.peak.reserved_bytes),
+        ("device total", est.peak.device_total_bytes),
+    ):
         if value:
             bar.axvline(value / scale, color="black", linestyle="-")
             bar.text(value / scale, 0.45, f" {label}", va="bottom")
@@ -39,14 +48,20 @@ def write_plot(est: Estimate, path: str, units: Units = "binary") -> None:
         bar.text(est.verdict.usable_bytes / scale, -0.5, f" usable on {est.verdict.gpu}")
     bar.set_yticks([])
     bar.set_xlabel(f"memory at the peak ({unit})")
-    bar.set_title(f"{est.model.name}: peak allocated "
-                  f"{format_bytes(est.peak.allocated_bytes, units)} in {est.peak.phase}")
+    bar.set_title(
+        f"{est.model.name}: peak allocated "
+        f"{format_bytes(est.peak.allocated_bytes, units)} in {est.peak.phase}"
+    )
     bar.legend(ncol=4, fontsize=8, loc="upper left", bbox_to_anchor=(0, -0.45))
     if est.timeline:
         xs = [p.index for p in est.timeline]
         stacks = [[p.components.get(n, 0) / scale for p in est.timeline] for n in COMPONENTS]
-        timeline.stackplot(xs, stacks, colors=[COLOURS[n] for n in COMPONENTS],
-                           labels=[LABELS[n] for n in COMPONENTS])
+        timeline.stackplot(
+            xs,
+            stacks,
+            colors=[COLOURS[n] for n in COMPONENTS],
+            labels=[LABELS[n] for n in COMPONENTS],
+        )
         timeline.set_xlabel("traced allocation events (time order)")
         timeline.set_ylabel(f"live tensor memory ({unit})")
     figure.tight_layout()

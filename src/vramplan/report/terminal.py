@@ -15,9 +15,14 @@ from vramplan.report.palette import COLOURS
 from vramplan.units import Units, format_bytes, unit_name
 
 _LABELS = {
-    "parameters": "parameters", "buffers": "buffers", "gradients": "gradients",
-    "optimizer_state": "optimizer state", "activations": "activations (saved for backward)",
-    "temporaries": "temporaries / workspace", "inputs": "input batch", "workspace": "workspace",
+    "parameters": "parameters",
+    "buffers": "buffers",
+    "gradients": "gradients",
+    "optimizer_state": "optimizer state",
+    "activations": "activations (saved for backward)",
+    "temporaries": "temporaries / workspace",
+    "inputs": "input batch",
+    "workspace": "workspace",
 }
 
 
@@ -43,12 +48,15 @@ def render_estimate(est: Estimate, units: Units = "binary", console: Console | N
     console = console or Console()
     fmt = lambda n: format_bytes(n, units)  # noqa: E731
     peak = est.peak
-    about = ", ".join(filter(None, [est.model.architecture, f"{est.model.parameters:,} parameters"]))
+    about = ", ".join(
+        filter(None, [est.model.architecture, f"{est.model.parameters:,} parameters"])
+    )
     console.print(f"[bold]{est.model.name}[/bold] ({about}) — {_recipe_line(est)}")
     when = f" in {peak.phase}, iteration {peak.iteration}" if est.method == "trace" else ""
     label = "Peak allocated" if est.method == "trace" else f"Total ({est.method})"
-    console.print(f"{label}: [bold]{fmt(peak.allocated_bytes)}[/bold] "
-                  f"({peak.allocated_bytes:,} bytes){when}")
+    console.print(
+        f"{label}: [bold]{fmt(peak.allocated_bytes)}[/bold] ({peak.allocated_bytes:,} bytes){when}"
+    )
     if peak.reserved_bytes is not None:
         console.print(f"Peak reserved (caching allocator): {fmt(peak.reserved_bytes)}")
     if peak.device_total_bytes is not None:
@@ -63,16 +71,25 @@ def render_estimate(est: Estimate, units: Units = "binary", console: Console | N
     table.add_column("share", justify="right")
     for name in COMPONENTS:
         value = est.components.get(name, 0)
-        table.add_row(_LABELS[name], Text("██", style=COLOURS[name]), f"{value:,}", fmt(value),
-                      _share(value, peak.allocated_bytes))
+        table.add_row(
+            _LABELS[name],
+            Text("██", style=COLOURS[name]),
+            f"{value:,}",
+            fmt(value),
+            _share(value, peak.allocated_bytes),
+        )
     console.print(table)
 
     summary = est.summary
-    console.print("Five-part summary: " + ", ".join(
-        f"{_LABELS.get(k, k).split(' (')[0]} {fmt(v)}" for k, v in summary.items()))
+    console.print(
+        "Five-part summary: "
+        + ", ".join(f"{_LABELS.get(k, k).split(' (')[0]} {fmt(v)}" for k, v in summary.items())
+    )
     if est.phase_peaks:
-        console.print("Peak by phase: " + ", ".join(
-            f"{phase} {fmt(v)}" for phase, v in est.phase_peaks.items()))
+        console.print(
+            "Peak by phase: "
+            + ", ".join(f"{phase} {fmt(v)}" for phase, v in est.phase_peaks.items())
+        )
     if est.top_modules:
         modules = Table(title="Top modules by activation bytes at the peak", title_justify="left")
         modules.add_column("module")
@@ -84,9 +101,15 @@ def render_estimate(est: Estimate, units: Units = "binary", console: Console | N
     if est.verdict is not None:
         v = est.verdict
         colour = {"fits": "green", "tight": "yellow", "oom": "red"}[v.status]
-        spare = f"{fmt(v.spare_bytes)} to spare" if v.spare_bytes >= 0 else f"{fmt(-v.spare_bytes)} missing"
-        console.print(f"Verdict on {v.gpu} ({fmt(v.capacity_bytes)}, headroom {v.headroom:.0%}): "
-                      f"[bold {colour}]{v.status.upper()}[/bold {colour}] — {spare}")
+        spare = (
+            f"{fmt(v.spare_bytes)} to spare"
+            if v.spare_bytes >= 0
+            else f"{fmt(-v.spare_bytes)} missing"
+        )
+        console.print(
+            f"Verdict on {v.gpu} ({fmt(v.capacity_bytes)}, headroom {v.headroom:.0%}): "
+            f"[bold {colour}]{v.status.upper()}[/bold {colour}] — {spare}"
+        )
     for note in est.notes:
         console.print(f"[dim]note: {note}[/dim]")
     console.print(f"[dim]Sizes in {unit_name(units)}.[/dim]")

@@ -74,6 +74,11 @@ def image_classifier(
         return classification_loss(output, labels) if training else output
 
     return BuiltModel(
-        name=name, architecture=architecture, kind="image", model=model,
-        make_batch=make_batch, run=run, default_input_shape=input_shape,
+        name=name,
+        architecture=architecture,
+        kind="image",
+        model=model,
+        make_batch=make_batch,
+        run=run,
+        default_input_shape=input_shape,
     )

@@ -28,11 +28,25 @@ DEFAULT_IMAGE_SIZE = 224
 # Models whose positions are learned embeddings cannot run past their table.
 _POSITION_KEYS = ("n_positions", "max_position_embeddings")
 _ABSOLUTE_POSITIONS = {"gpt2", "bert", "roberta", "vit", "gpt_neo", "opt", "distilbert"}
-_PREFIXES = ("meta-llama/", "openai-community/", "google-bert/", "mistralai/", "qwen/",
-             "google/", "facebookai/", "google-t5/", "tinyllama/")
-_ALIASES = {"llama-3-8b": "meta-llama-3-8b", "llama-3-70b": "meta-llama-3-70b",
-            "llama-2-7b-hf": "llama-2-7b", "mistral-7b": "mistral-7b-v0.1",
-            "tinyllama-1.1b-chat-v1.0": "tinyllama-1.1b", "qwen2.5-7b-instruct": "qwen2.5-7b"}
+_PREFIXES = (
+    "meta-llama/",
+    "openai-community/",
+    "google-bert/",
+    "mistralai/",
+    "qwen/",
+    "google/",
+    "facebookai/",
+    "google-t5/",
+    "tinyllama/",
+)
+_ALIASES = {
+    "llama-3-8b": "meta-llama-3-8b",
+    "llama-3-70b": "meta-llama-3-70b",
+    "llama-2-7b-hf": "llama-2-7b",
+    "mistral-7b": "mistral-7b-v0.1",
+    "tinyllama-1.1b-chat-v1.0": "tinyllama-1.1b",
+    "qwen2.5-7b-instruct": "qwen2.5-7b",
+}
 
 
 def bundled_configs() -> list[str]:
@@ -45,7 +59,7 @@ def _canonical(name: str) -> str:
     key = name.strip().lower()
     for prefix in _PREFIXES:
         if key.startswith(prefix):
-            key = key[len(prefix):]
+            key = key[len(prefix) :]
     return _ALIASES.get(key, key)
 
 
@@ -94,8 +108,11 @@ def _make_config(transformers, name: str, data: dict[str, Any]):
             f"config {name}: model_type {model_type!r} is not in transformers "
             f"{transformers.__version__} (custom code is not run: trust_remote_code stays off)"
         ) from None
-    fields = {k: v for k, v in data.items()
-              if k not in ("model_type", "transformers_version", "attn_implementation")}
+    fields = {
+        k: v
+        for k, v in data.items()
+        if k not in ("model_type", "transformers_version", "attn_implementation")
+    }
     try:
         return config_class(**fields)
     except (TypeError, ValueError) as exc:
@@ -108,8 +125,12 @@ def _model_class(transformers, config, name: str):
         cls = getattr(transformers, arch, None)
         if cls is not None:
             return cls
-    for auto in ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM",
-                 "AutoModelForImageClassification"):
+    for auto in (
+        "AutoModelForCausalLM",
+        "AutoModelForMaskedLM",
+        "AutoModelForSeq2SeqLM",
+        "AutoModelForImageClassification",
+    ):
         mapping = getattr(transformers, auto)._model_mapping
         if type(config) in mapping:
             return mapping[type(config)]
@@ -120,7 +141,9 @@ def _kind(model: nn.Module) -> str:
     arch = type(model).__name__
     if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
         return "causal-lm"
-    if arch.endswith("ForConditionalGeneration") and getattr(model.config, "is_encoder_decoder", False):
+    if arch.endswith("ForConditionalGeneration") and getattr(
+        model.config, "is_encoder_decoder", False
+    ):
         return "seq2seq"
     if arch.endswith("ForMaskedLM"):
         return "masked-lm"
@@ -144,7 +167,9 @@ def _seq_len(config, recipe: Recipe, label: str) -> int:
     seq_len = recipe.seq_len
     if seq_len is None and recipe.input_shape:
         if len(recipe.input_shape) != 1:
-            raise UserError(f"text models take --seq-len (or --input-shape S), got {recipe.input_shape}")
+            raise UserError(
+                f"text models take --seq-len (or --input-shape S), got {recipe.input_shape}"
+            )
         seq_len = recipe.input_shape[0]
     if seq_len is None:
         seq_len = min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)
@@ -158,9 +183,14 @@ def checkpoint_layers(model: nn.Module) -> list[nn.Module]:
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # transformers < 4.52: layers carry the flag themselves
-        return [m for m in model.modules() if hasattr(m, "gradient_checkpointing")
-                and not any(True for c in m.modules() if c is not m
-                            and hasattr(c, "gradient_checkpointing"))]
+        return [
+            m
+            for m in model.modules()
+            if hasattr(m, "gradient_checkpointing")
+            and not any(
+                True for c in m.modules() if c is not m and hasattr(c, "gradient_checkpointing")
+            )
+        ]
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
@@ -173,7 +203,8 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     try:
         with torch.device(device):
             model = model_class._from_config(
-                config, attn_implementation=data.get("attn_implementation", "sdpa"))
+                config, attn_implementation=data.get("attn_implementation", "sdpa")
+            )
     except (ValueError, TypeError, RuntimeError) as exc:
         raise UserError(f"cannot build {model_class.__name__} from {label}: {exc}") from None
     kind = _kind(model)
@@ -186,8 +217,10 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
         classes = config.num_labels
 
         def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
-            return {"pixel_values": torch.randn(batch_size, *shape, dtype=dtype),
-                    "labels": torch.randint(0, classes, (batch_size,))}
+            return {
+                "pixel_values": torch.randn(batch_size, *shape, dtype=dtype),
+                "labels": torch.randint(0, classes, (batch_size,)),
+            }
     else:
         seq_len = _seq_len(config, recipe, built_name)
         shape = (seq_len,)
@@ -220,7 +253,14 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
         return len(layers)
 
     return BuiltModel(
-        name=built_name, architecture=type(model).__name__, kind=kind, model=model,
-        make_batch=make_batch, run=run, default_input_shape=shape,
-        enable_checkpointing=enable_checkpointing if model.supports_gradient_checkpointing else None,
+        name=built_name,
+        architecture=type(model).__name__,
+        kind=kind,
+        model=model,
+        make_batch=make_batch,
+        run=run,
+        default_input_shape=shape,
+        enable_checkpointing=enable_checkpointing
+        if model.supports_gradient_checkpointing
+        else None,
     )

@@ -2,7 +2,7 @@
 ``nn.Module`` passed in Python (copied structurally onto the meta device; its weights are
 never touched)::
 
-    >>> built = build_from_factory("models/net.py:make_net", Recipe(input_shape=(3, 32, 32)))  # doctest: +SKIP
+    built = build_from_factory("models/net.py:make_net", Recipe(input_shape=(3, 32, 32)))
 """
 
 from __future__ import annotations
@@ -30,7 +30,9 @@ DEFAULT_SEQ_LEN = 512
 def _load_factory(spec: str) -> Callable[[], Any]:
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
-        raise UserError(f"cannot read model {spec!r}: use path/to/file.py:factory or package.module:factory")
+        raise UserError(
+            f"cannot read model {spec!r}: use path/to/file.py:factory or package.module:factory"
+        )
     if target.endswith(".py"):
         path = Path(target).expanduser()
         if not path.is_file():
@@ -49,7 +51,9 @@ def _load_factory(spec: str) -> Callable[[], Any]:
         try:
             module = importlib.import_module(target)
         except Exception as exc:
-            raise UserError(f"cannot import module {target!r}: {type(exc).__name__}: {exc}") from None
+            raise UserError(
+                f"cannot import module {target!r}: {type(exc).__name__}: {exc}"
+            ) from None
     factory = getattr(module, attr, None)
     if factory is None:
         raise UserError(f"{target} has no attribute {attr!r}")
@@ -60,8 +64,10 @@ def _load_factory(spec: str) -> Callable[[], Any]:
 
 def _first_layer(model: nn.Module) -> nn.Module | None:
     for module in model.modules():
-        if isinstance(module, (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.Embedding,
-                               nn.LSTM, nn.GRU, nn.RNN)):
+        if isinstance(
+            module,
+            (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear, nn.Embedding, nn.LSTM, nn.GRU, nn.RNN),
+        ):
             return module
     return None
 
@@ -84,7 +90,9 @@ def _default_shape(model: nn.Module, recipe: Recipe) -> tuple[int, ...]:
         return (seq,)
     if isinstance(first, (nn.LSTM, nn.GRU, nn.RNN)):
         return (seq, first.input_size) if first.batch_first else (seq, first.input_size)
-    raise UserError("cannot guess this model's input: pass --input-shape (one sample, without the batch)")
+    raise UserError(
+        "cannot guess this model's input: pass --input-shape (one sample, without the batch)"
+    )
 
 
 def generic_loss(output: Any) -> torch.Tensor:
@@ -104,8 +112,12 @@ def generic_loss(output: Any) -> torch.Tensor:
 
 
 def module_source(
-    model: nn.Module, recipe: Recipe, name: str, example_batch: Any = None,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None, copy_to_meta: bool = True,
+    model: nn.Module,
+    recipe: Recipe,
+    name: str,
+    example_batch: Any = None,
+    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    copy_to_meta: bool = True,
 ) -> BuiltModel:
     """Wrap an ``nn.Module`` (on any device, or meta) as a ``BuiltModel``; for tracing, a
     structural copy on the meta device, for a real run the module itself."""
@@ -134,9 +146,13 @@ def module_source(
         return loss_fn(output, batch) if loss_fn is not None else generic_loss(output)
 
     return BuiltModel(
-        name=name, architecture=type(model).__name__, kind="custom",
+        name=name,
+        architecture=type(model).__name__,
+        kind="custom",
         model=meta_copy(model) if copy_to_meta else model,
-        make_batch=make_batch, run=run, default_input_shape=shape or (),
+        make_batch=make_batch,
+        run=run,
+        default_input_shape=shape or (),
         enable_checkpointing=checkpoint_repeated_blocks,
     )
 
@@ -147,8 +163,9 @@ def meta_copy(model: nn.Module) -> nn.Module:
     memo: dict[int, Any] = {}
     for tensor in [*model.parameters(), *model.buffers()]:
         meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = nn.Parameter(meta, tensor.requires_grad) if isinstance(
-            tensor, nn.Parameter) else meta
+        memo[id(tensor)] = (
+            nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
+        )
     return copy.deepcopy(model, memo)
 
 

@@ -57,9 +57,15 @@ def _segmentation(name: str, model: nn.Module, shape: tuple[int, ...], classes: 
             loss = loss + 0.5 * nn.functional.cross_entropy(output["aux"], masks)
         return loss
 
-    return BuiltModel(name=f"torchvision:{name}", architecture=type(model).__name__,
-                      kind="segmentation", model=model, make_batch=make_batch, run=run,
-                      default_input_shape=shape)
+    return BuiltModel(
+        name=f"torchvision:{name}",
+        architecture=type(model).__name__,
+        kind="segmentation",
+        model=model,
+        make_batch=make_batch,
+        run=run,
+        default_input_shape=shape,
+    )
 
 
 def build_torchvision(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:

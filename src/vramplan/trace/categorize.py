@@ -36,9 +36,11 @@ def _span_end(record: StorageRecord, phases: Sequence[PhaseMark], ends: list[int
             high = mid - 1
     end = ends[low]
     # A forward span may be cut into several marks (same phase, same iteration): join them.
-    while low + 1 < len(phases) and phases[low + 1].phase == "forward" and phases[
-        low + 1
-    ].iteration == phases[low].iteration:
+    while (
+        low + 1 < len(phases)
+        and phases[low + 1].phase == "forward"
+        and phases[low + 1].iteration == phases[low].iteration
+    ):
         low += 1
         end = ends[low]
     return end
@@ -48,8 +50,10 @@ def category_of(record: StorageRecord, forward_span_end: int | None) -> str:
     for tag in TAG_PRIORITY:
         if tag in record.tags:
             return tag
-    if record.phase == "forward" and forward_span_end is not None and (
-        record.free_index is None or record.free_index >= forward_span_end
+    if (
+        record.phase == "forward"
+        and forward_span_end is not None
+        and (record.free_index is None or record.free_index >= forward_span_end)
     ):
         return "activations"
     return "temporaries"
@@ -65,9 +69,15 @@ def categorize(
         span_end = _span_end(record, phases, ends) if record.phase == "forward" else None
         allocations.append(
             Allocation(
-                id=record.id, nbytes=record.nbytes, category=category_of(record, span_end),
-                phase=record.phase, iteration=record.iteration, module=record.module,
-                op=record.op, alloc_index=record.alloc_index, free_index=record.free_index,
+                id=record.id,
+                nbytes=record.nbytes,
+                category=category_of(record, span_end),
+                phase=record.phase,
+                iteration=record.iteration,
+                module=record.module,
+                op=record.op,
+                alloc_index=record.alloc_index,
+                free_index=record.free_index,
             )
         )
     return tuple(allocations)

@@ -24,23 +24,74 @@ from torch.utils._pytree import tree_map
 # Policies by op base name, from autocast_mode.cpp (AutocastCUDA). Ops the installed
 # PyTorch registers for AutocastCUDA but that are not named here run in fp32 (the newer
 # entries, rms_norm and the upsample family, are fp32 ops).
-LOWER_PRECISION = frozenset({
-    "_convolution", "conv1d", "conv2d", "conv3d", "conv_tbc", "conv_transpose1d",
-    "conv_transpose2d", "conv_transpose3d", "convolution", "cudnn_convolution",
-    "cudnn_convolution_transpose", "prelu", "addmm", "addmv", "addr", "matmul", "einsum", "mm",
-    "mv", "linalg_vecdot", "linear", "addbmm", "baddbmm", "bmm", "chain_matmul",
-    "linalg_multi_dot", "_thnn_fused_lstm_cell", "_thnn_fused_gru_cell", "lstm_cell",
-    "gru_cell", "rnn_tanh_cell", "rnn_relu_cell", "_scaled_dot_product_flash_attention",
-    "scaled_dot_product_attention", "_cudnn_rnn", "lstm", "gru",
-})
-FP32_SET_OPT_DTYPE = frozenset({
-    "prod", "softmax", "log_softmax", "cumprod", "cumsum", "linalg_vector_norm",
-    "linalg_matrix_norm", "sum",
-})
-PROMOTE = frozenset({
-    "addcdiv", "addcmul", "atan2", "bilinear", "cross", "dot", "grid_sampler", "index_put",
-    "tensordot", "scatter_add", "vdot",
-})
+LOWER_PRECISION = frozenset(
+    {
+        "_convolution",
+        "conv1d",
+        "conv2d",
+        "conv3d",
+        "conv_tbc",
+        "conv_transpose1d",
+        "conv_transpose2d",
+        "conv_transpose3d",
+        "convolution",
+        "cudnn_convolution",
+        "cudnn_convolution_transpose",
+        "prelu",
+        "addmm",
+        "addmv",
+        "addr",
+        "matmul",
+        "einsum",
+        "mm",
+        "mv",
+        "linalg_vecdot",
+        "linear",
+        "addbmm",
+        "baddbmm",
+        "bmm",
+        "chain_matmul",
+        "linalg_multi_dot",
+        "_thnn_fused_lstm_cell",
+        "_thnn_fused_gru_cell",
+        "lstm_cell",
+        "gru_cell",
+        "rnn_tanh_cell",
+        "rnn_relu_cell",
+        "_scaled_dot_product_flash_attention",
+        "scaled_dot_product_attention",
+        "_cudnn_rnn",
+        "lstm",
+        "gru",
+    }
+)
+FP32_SET_OPT_DTYPE = frozenset(
+    {
+        "prod",
+        "softmax",
+        "log_softmax",
+        "cumprod",
+        "cumsum",
+        "linalg_vector_norm",
+        "linalg_matrix_norm",
+        "sum",
+    }
+)
+PROMOTE = frozenset(
+    {
+        "addcdiv",
+        "addcmul",
+        "atan2",
+        "bilinear",
+        "cross",
+        "dot",
+        "grid_sampler",
+        "index_put",
+        "tensordot",
+        "scatter_add",
+        "vdot",
+    }
+)
 BANNED = frozenset({"binary_cross_entropy"})
 
 
@@ -68,14 +119,20 @@ def registered_ops() -> tuple[tuple[str, ...], tuple[str, ...]]:
     names = torch._C._dispatch_get_all_op_names()
     has = torch._C._dispatch_has_kernel_for_dispatch_key
     cuda = tuple(sorted(n for n in names if n.startswith("aten::") and has(n, "AutocastCUDA")))
-    cpu_only = tuple(sorted(n for n in names if n.startswith("aten::")
-                            and has(n, "AutocastCPU") and n not in cuda))
+    cpu_only = tuple(
+        sorted(
+            n for n in names if n.startswith("aten::") and has(n, "AutocastCPU") and n not in cuda
+        )
+    )
     return cuda, cpu_only
 
 
 def _eligible(value) -> bool:
-    return (isinstance(value, torch.Tensor) and value.is_floating_point()
-            and value.dtype != torch.float64)
+    return (
+        isinstance(value, torch.Tensor)
+        and value.is_floating_point()
+        and value.dtype != torch.float64
+    )
 
 
 class _Caster:
@@ -88,8 +145,12 @@ class _Caster:
     def to_lower(self, value):
         if not _eligible(value) or value.dtype == self.lower:
             return value
-        cacheable = value.is_leaf and value.requires_grad and value.dtype == torch.float32 \
+        cacheable = (
+            value.is_leaf
+            and value.requires_grad
+            and value.dtype == torch.float32
             and not value._is_view()
+        )
         if cacheable and id(value) in self.cache:
             return self.cache[id(value)][1]
         cast = value.to(self.lower)
@@ -99,8 +160,9 @@ class _Caster:
 
     @staticmethod
     def to_fp32(value):
-        return value.to(torch.float32) if _eligible(value) and value.dtype != torch.float32 \
-            else value
+        return (
+            value.to(torch.float32) if _eligible(value) and value.dtype != torch.float32 else value
+        )
 
 
 def _kernel(op, policy: str, caster: _Caster):
@@ -116,7 +178,8 @@ def _kernel(op, policy: str, caster: _Caster):
             elif policy == "fp32_set_opt_dtype":
                 first = next((a for a in args if isinstance(a, torch.Tensor)), None)
                 given = kwargs.get("dtype") is not None or any(
-                    i < len(args) and args[i] is not None for i in dtype_positions)
+                    i < len(args) and args[i] is not None for i in dtype_positions
+                )
                 if first is not None and _eligible(first) and not given and dtype_positions:
                     kwargs = {**kwargs, "dtype": torch.float32}
             elif policy == "promote":
@@ -126,7 +189,8 @@ def _kernel(op, policy: str, caster: _Caster):
                     args, kwargs = tree_map(caster.to_fp32, (args, kwargs))
             else:
                 raise RuntimeError(
-                    f"{op} is unsafe to autocast on CUDA; use binary_cross_entropy_with_logits")
+                    f"{op} is unsafe to autocast on CUDA; use binary_cross_entropy_with_logits"
+                )
             return op(*args, **kwargs)
 
     return run

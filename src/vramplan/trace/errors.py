@@ -1,7 +1,7 @@
 """Turn a failure inside a traced model into one line a user can act on.
 
->>> str(explain_failure(RuntimeError("mat1 and mat2 shapes cannot be multiplied"), "m.py:net"))
-"model m.py:net failed on the example batch: mat1 and mat2 shapes cannot be multiplied (check --input-shape / --seq-len)"
+>>> print(explain_failure(RuntimeError("bad shapes"), "m.py:net"))
+model m.py:net failed on the example batch: bad shapes (check --input-shape / --seq-len)
 """
 
 from __future__ import annotations
@@ -13,8 +13,10 @@ from vramplan.errors import UserError
 _FAKE_LIMITS = tuple(
     getattr(fake_tensor, name)
     for name in (
-        "DataDependentOutputException", "DynamicOutputShapeException",
-        "UnsupportedOperatorException", "UnsupportedFakeTensorException",
+        "DataDependentOutputException",
+        "DynamicOutputShapeException",
+        "UnsupportedOperatorException",
+        "UnsupportedFakeTensorException",
     )
     if hasattr(fake_tensor, name)
 )
@@ -41,4 +43,6 @@ def explain_failure(exc: BaseException, model_name: str) -> UserError:
             f"model {model_name} failed on the example batch: {_first_line(exc)} "
             "(check --input-shape / --seq-len)"
         )
-    return UserError(f"model {model_name} failed while tracing: {type(exc).__name__}: {_first_line(exc)}")
+    return UserError(
+        f"model {model_name} failed while tracing: {type(exc).__name__}: {_first_line(exc)}"
+    )

@@ -90,6 +90,7 @@ class Trace:
     def live_at(self, index: int) -> list[Allocation]:
         """Allocations alive just after event ``index``."""
         return [
-            a for a in self.allocations
+            a
+            for a in self.allocations
             if a.alloc_index <= index and (a.free_index is None or a.free_index > index)
         ]

@@ -23,8 +23,9 @@ def materialize(model: nn.Module, device: str = "cpu") -> None:
             if param is None:
                 continue
             if id(param) not in replaced:
-                replaced[id(param)] = nn.Parameter(_empty_like(param, device),
-                                                   requires_grad=param.requires_grad)
+                replaced[id(param)] = nn.Parameter(
+                    _empty_like(param, device), requires_grad=param.requires_grad
+                )
             module._parameters[name] = replaced[id(param)]
         for name, buffer in list(module._buffers.items()):
             if buffer is None:

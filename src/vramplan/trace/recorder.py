@@ -21,9 +21,13 @@ from torch.utils._pytree import tree_flatten
 from vramplan.trace.events import PhaseMark
 from vramplan.trace.modules import ModuleStack
 
-
-_CONVOLUTIONS = ("convolution", "convolution_backward", "cudnn_convolution",
-                 "_convolution", "convolution_overrideable")
+_CONVOLUTIONS = (
+    "convolution",
+    "convolution_backward",
+    "cudnn_convolution",
+    "_convolution",
+    "convolution_overrideable",
+)
 
 
 @dataclass(frozen=True)
@@ -38,8 +42,9 @@ class OpMarker:
 
 
 def _tensor_bytes(tree) -> int:
-    return sum(t.numel() * t.element_size() for t in tree_flatten(tree)[0]
-               if isinstance(t, torch.Tensor))
+    return sum(
+        t.numel() * t.element_size() for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor)
+    )
 
 
 @dataclass
@@ -116,8 +121,14 @@ class AllocationRecorder(TorchDispatchMode):
         phase, iteration = self.current_phase()
         self._sync_phase_mark(phase, iteration)
         record = StorageRecord(
-            id=len(self.records), key=key, nbytes=nbytes, phase=phase, iteration=iteration,
-            module=self.modules.innermost(), op=op, alloc_index=self.event_count,
+            id=len(self.records),
+            key=key,
+            nbytes=nbytes,
+            phase=phase,
+            iteration=iteration,
+            module=self.modules.innermost(),
+            op=op,
+            alloc_index=self.event_count,
         )
         self.event_count += 1
         self.records.append(record)
@@ -159,6 +170,13 @@ class AllocationRecorder(TorchDispatchMode):
             if isinstance(item, torch.Tensor) and item.device.type != "meta":
                 self.track(item, name)
         if name in _CONVOLUTIONS:
-            self.markers.append(OpMarker(self.event_count - 1, phase_key[0], name,
-                                         _tensor_bytes((args, kwargs)), _tensor_bytes(out)))
+            self.markers.append(
+                OpMarker(
+                    self.event_count - 1,
+                    phase_key[0],
+                    name,
+                    _tensor_bytes((args, kwargs)),
+                    _tensor_bytes(out),
+                )
+            )
         return out

@@ -113,9 +113,12 @@ class TracingSession:
             host = {r.id for r in recorder.records if "host" in r.tags}
             allocations = tuple(a for a in allocations if a.id not in host)
         return Trace(
-            allocations=allocations, phases=tuple(recorder.phases),
-            event_count=recorder.event_count, notes=tuple(self.notes),
-            module_kinds=dict(self.modules.kinds), op_counts=dict(recorder.op_counts),
+            allocations=allocations,
+            phases=tuple(recorder.phases),
+            event_count=recorder.event_count,
+            notes=tuple(self.notes),
+            module_kinds=dict(self.modules.kinds),
+            op_counts=dict(recorder.op_counts),
             markers=tuple(recorder.markers),
         )
 
@@ -134,16 +137,23 @@ def _quiet_fake_tensor_logs() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def tracing(model: nn.Module, policy: DevicePolicy, recipe: Recipe, name: str) -> Iterator[TracingSession]:
+def tracing(
+    model: nn.Module, policy: DevicePolicy, recipe: Recipe, name: str
+) -> Iterator[TracingSession]:
     """Everything a traced run needs, entered in the right order; failures inside become
     one-line ``UserError``s naming the op or the error."""
     modules = ModuleStack()
     modules.name_modules(model)
     session = TracingSession(AllocationRecorder(modules), modules, FakeTensorMode(), policy)
     try:
-        with _quiet_fake_tensor_logs(), session.fake, session.recorder, modules, _optimizer_phase_hooks(
-            session.recorder, session.optimizers
-        ), entered(policy.dispatch_modes(recipe)):
+        with (
+            _quiet_fake_tensor_logs(),
+            session.fake,
+            session.recorder,
+            modules,
+            _optimizer_phase_hooks(session.recorder, session.optimizers),
+            entered(policy.dispatch_modes(recipe)),
+        ):
             yield session
     except Exception as exc:  # the user's model failed: say which op and what to do
         raise explain_failure(exc, name) from None
@@ -184,10 +194,16 @@ def trace_training(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) -> T
             optimizer = build_optimizer(recipe.optimizer, params, policy.optimizer_defaults())
             _tag_optimizer_state(session.recorder, optimizer)  # Adagrad's state is eager
         run_steps(
-            built, model, batch, optimizer, recipe,
+            built,
+            model,
+            batch,
+            optimizer,
+            recipe,
             autocast=lambda: policy.autocast(recipe),
-            mark_phase=lambda phase, iteration: (session.recorder.set_phase(phase, iteration),
-                                                 session.modules.reset()),
+            mark_phase=lambda phase, iteration: (
+                session.recorder.set_phase(phase, iteration),
+                session.modules.reset(),
+            ),
         )
     return session.finish()
 
@@ -195,8 +211,11 @@ def trace_training(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) -> T
 def fake_copy(batch: Any) -> Any:
     """Fake tensors with the shapes, strides and dtypes of ``batch``'s tensors (any device)."""
     return tree_map(
-        lambda t: torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu")
-        if isinstance(t, torch.Tensor) else t,
+        lambda t: (
+            torch.empty_strided(t.size(), t.stride(), dtype=t.dtype, device="cpu")
+            if isinstance(t, torch.Tensor)
+            else t
+        ),
         batch,
     )
 
