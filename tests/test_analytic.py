@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_cli
 from torch import nn
 
 import vramplan
@@ -19,7 +20,6 @@ from vramplan.analytic.transformer import (
     shape_from_config,
     transformer_estimate,
 )
-from vramplan.cli import main
 from vramplan.sources.hf import load_config_dict
 from vramplan.sources.user_code import module_source
 from vramplan.trace.policy import CudaPolicy
@@ -30,13 +30,6 @@ from vramplan.workload import Recipe
 VGG = Path(__file__).resolve().parents[1] / "examples" / "vgg16.yaml"
 
 
-def run_cli(capsys, *args):
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def test_calc_classic_example_exactly(capsys):

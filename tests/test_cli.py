@@ -7,17 +7,7 @@ import subprocess
 import sys
 
 import pytest
-
-from vramplan.cli import main
-
-
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+from conftest import run_cli
 
 
 @pytest.fixture

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import run_cli
 
-from vramplan.cli import main
 from vramplan.errors import UserError
 from vramplan.gpus import catalog, gpu_from_memory, lookup_gpu
 from vramplan.runtime import runtime_table
@@ -28,13 +28,6 @@ def tiny_gpt2(tmp_path):
     return f"hf:{path}"
 
 
-def run_cli(capsys, *args):
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.parametrize(

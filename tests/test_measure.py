@@ -5,19 +5,10 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import run_cli
 
 from vramplan.calibrate import DeviceProfile, load_profile, save_profile
-from vramplan.cli import main
 from vramplan.leak import check_leak
-
-
-def run_cli(capsys, *args):
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.fixture
