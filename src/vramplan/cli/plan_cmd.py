@@ -192,12 +192,14 @@ def plan_command(
         return 0
     _render(result, fleet, host, all_gpus, units, bench.traces)
     if needed is not None:
-        rank = needed.estimate.peak.device_total_bytes
+        rank = format_bytes(needed.estimate.peak.device_total_bytes, units)
         Console().print(
             f"Needs [bold]{needed.gpus} x {result.baseline.verdict.gpu}[/bold] with "
-            f"[bold]{needed.layout.describe()}[/bold]: "
-            f"{format_bytes(rank, units)} per GPU, {needed.estimate.verdict.status.upper()}"
+            f"[bold]{needed.layout.describe()}[/bold] {needed_note}: {rank} per GPU, "
+            f"{needed.estimate.verdict.status.upper()}"
         )
+    elif needed_note:
+        Console().print(f"[bold red]No layout fits:[/bold red] {needed_note}")
     return 0
 
 
