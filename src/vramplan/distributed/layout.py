@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from vramplan.device import judge
 from vramplan.distributed.zero import (
     bucket_bytes,
     zero1_model_states,
@@ -191,8 +192,6 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
     )
     verdict = None
     if est.verdict is not None:
-        from vramplan.device import judge
-
         verdict = judge(
             est.verdict.gpu, est.verdict.capacity_bytes, est.verdict.headroom, device_total
         )

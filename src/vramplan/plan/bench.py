@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from vramplan.api import trace_and_estimate
+from vramplan.api import estimate_from_trace, trace_and_estimate
+from vramplan.calibrate import profile_for
 from vramplan.device import DeviceOptions, apply_device
 from vramplan.errors import UserError
 from vramplan.estimate import Estimate
@@ -58,21 +59,7 @@ class Workbench:
     def on(self, recipe: Recipe, gpu: GpuSpec) -> Estimate:
         """The same traced step judged against another card."""
         estimate, trace = self.run(recipe)
-        options = DeviceOptions(
-            gpu=gpu,
-            headroom=self.device.headroom,
-            alloc_conf=self.device.alloc_conf,
-            cudnn_benchmark=self.device.cudnn_benchmark,
-            data_parallel=self.device.data_parallel,
-        )
-        base = estimate.with_changes(
-            peak=estimate.peak.__class__(
-                allocated_bytes=estimate.details["tensor_allocated_bytes"],
-                phase=estimate.peak.phase,
-                iteration=estimate.peak.iteration,
-            ),
-            components=estimate.details["tensor_components"],
-            runtime={},
-            verdict=None,
-        )
-        return apply_device(base, trace, options)
+        options = replace(self.device, gpu=gpu, profile=profile_for(gpu.name))
+        tensor_level = estimate_from_trace(trace, estimate.model, recipe, "cuda",
+                                           list(trace.notes))
+        return apply_device(tensor_level, trace, options)
