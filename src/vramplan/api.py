@@ -114,6 +114,7 @@ def estimate_from_trace(
         details={
             "target": target,
             "traced_events": trace.event_count,
+            "phase_components": summary.phase_components,
             "input_bytes": sum(a.nbytes for a in trace.allocations if a.category == "inputs"),
             "optimizer_state_bytes": sum(
                 a.nbytes

@@ -228,6 +228,7 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
             "alloc_conf": options.alloc_conf or "",
             "tensor_allocated_bytes": estimate.peak.allocated_bytes,
             "tensor_components": dict(estimate.components),
+        "phase_components": summary.phase_components,
             "allocator": {
                 "segments_allocated": stats.num_device_alloc,
                 "reserved_at_allocated_peak": stats.reserved_at_peak_allocated,

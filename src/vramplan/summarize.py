@@ -24,6 +24,8 @@ class TraceSummary:
     peak_index: int
     components: dict[str, int]
     phase_peaks: dict[str, int]
+    phase_components: dict[str, dict[str, int]]
+    """Components at the highest point of each phase."""
     top_modules: tuple[ModuleUsage, ...]
     timeline: tuple[TimelinePoint, ...]
 
@@ -50,7 +52,8 @@ def summarize_trace(trace: Trace, module_kinds: dict[str, str] | None = None) ->
     total = 0
     peak_total, peak_index = -1, 0
     peak_components = dict(live)
-    phase_peaks: dict[str, int] = defaultdict(int)
+    phase_peaks: dict[str, int] = {}
+    phase_components: dict[str, dict[str, int]] = {}
     points: list[TimelinePoint] = []
     marks = trace.phases
     mark_pos = 0
@@ -60,8 +63,11 @@ def summarize_trace(trace: Trace, module_kinds: dict[str, str] | None = None) ->
         mark = marks[mark_pos]
         live[event.allocation.category] += event.delta
         total += event.delta
-        phase_peaks[mark.phase] = max(phase_peaks[mark.phase], total)
-        points.append(TimelinePoint(event.index, mark.phase, mark.iteration, dict(live)))
+        point = TimelinePoint(event.index, mark.phase, mark.iteration, dict(live))
+        if total > phase_peaks.get(mark.phase, -1):
+            phase_peaks[mark.phase] = total
+            phase_components[mark.phase] = point.components
+        points.append(point)
         if total > peak_total:
             peak_total, peak_index, peak_components = total, event.index, dict(live)
     peak_mark = trace.phase_at(peak_index)
@@ -81,6 +87,7 @@ def summarize_trace(trace: Trace, module_kinds: dict[str, str] | None = None) ->
         peak_index=peak_index,
         components={name: peak_components.get(name, 0) for name in COMPONENTS},
         phase_peaks=dict(phase_peaks),
+        phase_components=phase_components,
         top_modules=top_modules,
         timeline=tuple(_downsample(points, peak_index, TIMELINE_POINTS)),
     )

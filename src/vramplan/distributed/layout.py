@@ -24,6 +24,7 @@ from vramplan.estimate import Estimate, Peak
 from vramplan.runtime import runtime_table
 
 SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op")
+STATES = ("parameters", "gradients", "optimizer_state")
 
 
 @dataclass(frozen=True)
@@ -133,29 +134,42 @@ def _activation_share(layout: ParallelLayout) -> float:
     return share * min(p, layout.microbatches) / p
 
 
+def _rank_components(components: dict[str, int], phase: str, layout: ParallelLayout,
+                     gpu_states: int, buckets: int) -> dict[str, int]:
+    """One phase's peak components as a rank holds them: model states by the sharding
+    formulas; activations, inputs and forward/backward temporaries by the layout's share;
+    the optimizer step's temporaries (param-sized lists of a foreach step) follow the
+    states each rank updates."""
+    states = sum(components[k] for k in STATES) or 1
+    rank = dict(components)
+    for name in STATES:
+        rank[name] = int(gpu_states * components[name] / states)
+    share = _activation_share(layout)
+    for name in ("activations", "inputs"):
+        rank[name] = int(components[name] * share)
+    if phase == "optimizer":
+        sharded = layout.shard != "none"
+        divisor = layout.tensor_parallel * layout.pipeline_parallel * (
+            layout.data_parallel if sharded else 1)
+        rank["temporaries"] = components["temporaries"] // divisor + buckets
+    else:
+        rank["temporaries"] = int(components["temporaries"] * share) + buckets
+    return rank
+
+
 def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estimate:
-    """The estimate of one rank (the first pipeline stage: the one holding the most)."""
+    """The estimate of one rank (the first pipeline stage: the one holding the most): the
+    highest of its phases, each phase's peak re-divided by the layout."""
     check_layout(layout, facts)
     if layout == ParallelLayout():
         return est
     gpu_states, host_states = _model_states(est, layout, facts)
-    working = (
-        est.components["activations"] + est.components["temporaries"] + est.components["inputs"]
-    )
-    share = _activation_share(layout)
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(layout.shard, 0)
     buckets = bucket_bytes(stage, facts.parameters // layout.tensor_parallel)
-    components = dict(est.components)
-    states_total = (
-        est.components["parameters"]
-        + est.components["gradients"]
-        + est.components["optimizer_state"]
-    ) or 1
-    for name in ("parameters", "gradients", "optimizer_state"):
-        components[name] = int(gpu_states * est.components[name] / states_total)
-    for name in ("activations", "inputs"):
-        components[name] = int(est.components[name] * share)
-    components["temporaries"] = int(est.components["temporaries"] * share) + buckets
+    phases = est.details.get("phase_components") or {est.peak.phase: est.components}
+    candidates = {phase: _rank_components(components, phase, layout, gpu_states, buckets)
+                  for phase, components in phases.items() if phase != "setup"}
+    phase, components = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
     allocated = sum(components.values())
     fragmentation = (est.peak.reserved_bytes or est.peak.allocated_bytes) - est.peak.allocated_bytes
     reserved = allocated + int(fragmentation * (allocated / max(1, est.peak.allocated_bytes)))
@@ -167,40 +181,20 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
     runtime = dict(est.runtime)
     runtime["nccl"] = runtime.get("nccl", 0) + nccl
     details = dict(est.details)
-    details["parallel"] = {
-        "layout": layout.describe(),
-        "world_size": layout.world_size,
-        "model_state_bytes_per_gpu": gpu_states,
-        "host_state_bytes": host_states,
-        "bucket_bytes": buckets,
-        "activation_share": round(share, 4),
-        "working_set_single_gpu_bytes": working,
-    }
-    notes = (
-        *est.notes,
-        f"per-rank figures for {layout.describe()}: model states by the "
-        "sharding formulas, activations from the single-GPU trace scaled by the layout "
-        "(FSDP2/DeepSpeed engines are not traced themselves)",
-    )
-    peak = Peak(
-        allocated_bytes=allocated,
-        phase=est.peak.phase,
-        iteration=est.peak.iteration,
-        reserved_bytes=reserved,
-        device_total_bytes=device_total,
-        fragmentation_bytes=reserved - allocated,
-    )
+    details["parallel"] = {"layout": layout.describe(), "world_size": layout.world_size,
+                           "model_state_bytes_per_gpu": gpu_states,
+                           "host_state_bytes": host_states, "bucket_bytes": buckets,
+                           "activation_share": round(_activation_share(layout), 4),
+                           "phase_peaks": {p: sum(c.values()) for p, c in candidates.items()}}
+    notes = (*est.notes, f"per-rank figures for {layout.describe()}: model states by the "
+             "sharding formulas, activations from the single-GPU trace scaled by the layout "
+             "(FSDP2/DeepSpeed engines are not traced themselves)")
+    peak = Peak(allocated_bytes=allocated, phase=phase, iteration=est.peak.iteration,
+                reserved_bytes=reserved, device_total_bytes=device_total,
+                fragmentation_bytes=reserved - allocated)
     verdict = None
     if est.verdict is not None:
-        verdict = judge(
-            est.verdict.gpu, est.verdict.capacity_bytes, est.verdict.headroom, device_total
-        )
-    return replace(
-        est,
-        components=components,
-        peak=peak,
-        runtime=runtime,
-        details=details,
-        notes=notes,
-        verdict=verdict,
-    )
+        verdict = judge(est.verdict.gpu, est.verdict.capacity_bytes, est.verdict.headroom,
+                        device_total)
+    return replace(est, components=components, peak=peak, runtime=runtime, details=details,
+                   notes=notes, verdict=verdict)
