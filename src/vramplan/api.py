@@ -60,14 +60,15 @@ def trace_and_estimate(
     policy: DevicePolicy | None = None,
 ) -> tuple[Estimate, Trace]:
     """``estimate_built`` that also returns the trace (to judge it on other cards)."""
-    policy = policy or policy_for(target)
+    device = device or DeviceOptions()
+    policy = policy or policy_for(target, device.card.arch)
     trace = trace_training(built, recipe, policy)
     notes = list(trace.notes)
     if recipe.is_training and recipe.optimizer in MODELLED:
         notes.append(f"optimizer {recipe.optimizer}: {MODELLED[recipe.optimizer]}")
     result = estimate_from_trace(trace, model_info(built), recipe, policy.name, notes)
     if policy.name == "cuda":
-        result = apply_device(result, trace, device or DeviceOptions())
+        result = apply_device(result, trace, device)
     return result, trace
 
 

@@ -84,7 +84,8 @@ class PlanResult:
 class _CountingPolicy(CudaPolicy):
     """The CUDA policy plus a FLOP counter over the whole traced run."""
 
-    def __init__(self) -> None:
+    def __init__(self, arch: str) -> None:
+        super().__init__(arch)
         self.counter = FlopCounterMode(display=False)
 
     def dispatch_modes(self, recipe: Recipe) -> list:
@@ -93,7 +94,7 @@ class _CountingPolicy(CudaPolicy):
 
 def step_flops(bench: Workbench, recipe: Recipe) -> int:
     """FLOPs of the traced run (two iterations) under ``recipe``."""
-    policy = _CountingPolicy()
+    policy = _CountingPolicy(bench.device.card.arch)
     trace_and_estimate(bench.build(bench.model, recipe), recipe, "cuda", bench.device, policy)
     return policy.counter.get_total_flops()
 

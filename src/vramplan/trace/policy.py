@@ -63,6 +63,14 @@ class CudaPolicy(CpuPolicy):
 
     name = "cuda"
 
+    def __init__(self, arch: str = "sm80") -> None:
+        self.arch = arch
+
+    def dispatch_modes(self, recipe: Recipe) -> list:
+        from vramplan.trace.sdpa import CudaAttention
+
+        return [CudaAttention(self.arch)]
+
     def autocast(self, recipe: Recipe) -> contextlib.AbstractContextManager:
         if not recipe.uses_autocast:
             return contextlib.nullcontext()
@@ -86,6 +94,6 @@ def entered(modes: list) -> Iterator[None]:
         yield
 
 
-def policy_for(target: str) -> DevicePolicy:
-    """The policy for a target device name: ``cuda`` (default) or ``cpu``."""
-    return CpuPolicy() if target == "cpu" else CudaPolicy()
+def policy_for(target: str, arch: str = "sm80") -> DevicePolicy:
+    """The policy for a target device name: ``cuda`` (default, of GPU ``arch``) or ``cpu``."""
+    return CpuPolicy() if target == "cpu" else CudaPolicy(arch)
