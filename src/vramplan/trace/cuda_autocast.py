@@ -135,7 +135,7 @@ def _eligible(value) -> bool:
     )
 
 
-class _Caster:
+class Caster:
     """Casts of one autocast region; parameters cast to half precision are cached."""
 
     def __init__(self, lower: torch.dtype) -> None:
@@ -165,7 +165,7 @@ class _Caster:
         )
 
 
-def _kernel(op, policy: str, caster: _Caster):
+def _kernel(op, policy: str, caster: Caster):
     exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
     dtype_positions = [i for i, arg in enumerate(op._schema.arguments) if arg.name == "dtype"]
 
@@ -205,9 +205,9 @@ def _overload(name: str):
 
 
 @contextlib.contextmanager
-def cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
-    """Run the block under autocast with CUDA's op policies (on CPU tensors)."""
-    caster = _Caster(dtype)
+def cuda_rules(caster: Caster) -> Iterator[None]:
+    """Register CUDA's autocast policies on the CPU autocast key for the block (a whole
+    traced run: checkpointing recomputes forward inside backward, under the same rules)."""
     library = torch.library.Library("aten", "IMPL")
     cuda_ops, cpu_only = registered_ops()
     try:
@@ -219,8 +219,25 @@ def cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
             op = _overload(name)
             if op is not None:
                 library.impl(op, torch.library.fallthrough_kernel, "AutocastCPU")
-        with torch.autocast("cpu", dtype=dtype):
+        yield
+    finally:
+        library._destroy()
+
+
+@contextlib.contextmanager
+def autocast_region(caster: Caster) -> Iterator[None]:
+    """One autocast region: CPU autocast (running CUDA's rules while ``cuda_rules`` is
+    active); the weight-cast cache is dropped when the region ends, as on CUDA."""
+    try:
+        with torch.autocast("cpu", dtype=caster.lower):
             yield
     finally:
         caster.cache.clear()
-        library._destroy()
+
+
+@contextlib.contextmanager
+def cuda_autocast(dtype: torch.dtype) -> Iterator[None]:
+    """Run the block under autocast with CUDA's op policies (on CPU tensors)."""
+    caster = Caster(dtype)
+    with cuda_rules(caster), autocast_region(caster):
+        yield

@@ -59,24 +59,37 @@ class CpuPolicy:
 
 class CudaPolicy(CpuPolicy):
     """What a CUDA GPU does differently: CUDA's autocast op lists and weight-cast cache,
-    foreach optimizers by default, the optimizer's ``step`` counters kept on the host."""
+    foreach optimizers by default, the optimizer's ``step`` counters kept on the host.
+    ``arch`` names the GPU architecture. One policy serves one traced run.
+
+    Attention runs as the CPU's fused SDPA kernel, which keeps what CUDA's flash kernel
+    keeps (q, k, v, the output, an fp32 log-sum-exp per row); CUDA's memory-efficient
+    kernel pads that log-sum-exp to 32 rows, and its math fallback is not emulated."""
 
     name = "cuda"
 
     def __init__(self, arch: str = "sm80") -> None:
         self.arch = arch
+        self._caster = None
+
+    def _caster_for(self, recipe: Recipe):
+        from vramplan.trace.cuda_autocast import Caster
+
+        if self._caster is None:
+            self._caster = Caster(_dtype(recipe.compute_dtype_name))
+        return self._caster
 
     def dispatch_modes(self, recipe: Recipe) -> list:
-        from vramplan.trace.sdpa import CudaAttention
+        from vramplan.trace.cuda_autocast import cuda_rules
 
-        return [CudaAttention(self.arch)]
+        return [cuda_rules(self._caster_for(recipe))] if recipe.uses_autocast else []
 
     def autocast(self, recipe: Recipe) -> contextlib.AbstractContextManager:
         if not recipe.uses_autocast:
             return contextlib.nullcontext()
-        from vramplan.trace.cuda_autocast import cuda_autocast
+        from vramplan.trace.cuda_autocast import autocast_region
 
-        return cuda_autocast(_dtype(recipe.compute_dtype_name))
+        return autocast_region(self._caster_for(recipe))
 
     def optimizer_defaults(self) -> dict:
         return {"foreach": True}
