@@ -83,8 +83,10 @@ def test_fsdp_per_rank_follows_the_sharding_arithmetic(llama):
     phase = single.details["phase_components"][rank.peak.phase]
     assert rank.components["activations"] == phase["activations"]
     phase_states = sum(phase[k] for k in ("parameters", "gradients", "optimizer_state"))
+    # a sharded engine makes no whole-model autocast copy of the weights (2 bytes each)
+    cast_cache = min(phase["temporaries"], 2 * facts.parameters)
     assert rank.peak.allocated_bytes == pytest.approx(
-        sum(phase.values()) - phase_states + rank_states, abs=16)
+        sum(phase.values()) - phase_states + rank_states - cast_cache, abs=16)
     assert rank.peak.allocated_bytes < single.peak.allocated_bytes
     assert rank.peak.allocated_bytes <= rank.peak.reserved_bytes <= rank.peak.device_total_bytes
 

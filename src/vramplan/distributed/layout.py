@@ -135,11 +135,13 @@ def _activation_share(layout: ParallelLayout) -> float:
 
 
 def _rank_components(components: dict[str, int], phase: str, layout: ParallelLayout,
-                     gpu_states: int, buckets: int) -> dict[str, int]:
+                     gpu_states: int, buckets: int, cast_cache: int) -> dict[str, int]:
     """One phase's peak components as a rank holds them: model states by the sharding
     formulas; activations, inputs and forward/backward temporaries by the layout's share;
     the optimizer step's temporaries (param-sized lists of a foreach step) follow the
-    states each rank updates."""
+    states each rank updates. ``cast_cache``: autocast's half-precision copy of every
+    weight, which a sharded engine does not make (it gathers half-precision blocks,
+    counted with the model states)."""
     states = sum(components[k] for k in STATES) or 1
     rank = dict(components)
     for name in STATES:
@@ -153,7 +155,8 @@ def _rank_components(components: dict[str, int], phase: str, layout: ParallelLay
             layout.data_parallel if sharded else 1)
         rank["temporaries"] = components["temporaries"] // divisor + buckets
     else:
-        rank["temporaries"] = int(components["temporaries"] * share) + buckets
+        temporaries = max(0, components["temporaries"] - cast_cache)
+        rank["temporaries"] = int(temporaries * share) + buckets
     return rank
 
 
@@ -167,7 +170,10 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(layout.shard, 0)
     buckets = bucket_bytes(stage, facts.parameters // layout.tensor_parallel)
     phases = est.details.get("phase_components") or {est.peak.phase: est.components}
-    candidates = {phase: _rank_components(components, phase, layout, gpu_states, buckets)
+    cast_cache = facts.parameters * 2 if est.recipe.uses_autocast and layout.shard != "none" \
+        else 0
+    candidates = {phase: _rank_components(components, phase, layout, gpu_states, buckets,
+                                          cast_cache)
                   for phase, components in phases.items() if phase != "setup"}
     phase, components = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
     allocated = sum(components.values())
