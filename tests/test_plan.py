@@ -118,7 +118,7 @@ def test_levers_never_add_memory_and_accumulation_keeps_the_batch(tiny_cnn):
     bench = _bench(tiny_cnn, "850MiB")
     result = plan_levers(bench, recipe)
     names = [lever.name for lever in result.levers]
-    assert names[:2] == ["mixed precision", "activation checkpointing"]
+    assert names[:3] == ["mixed precision", "bf16 weights", "activation checkpointing"]
     for lever in result.levers:
         assert lever.estimate.peak.allocated_bytes <= result.baseline.peak.allocated_bytes, lever
     accumulation = next(lever for lever in result.levers if lever.name == "gradient accumulation")

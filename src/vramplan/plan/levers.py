@@ -116,6 +116,11 @@ def _candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]
             else "fp16: needs loss scaling (GradScaler); overflow risk"
         )
         found.append(("mixed precision", {"precision": amp}, {"precision_risk": risk}))
+        if amp == "amp-bf16":
+            found.append(("bf16 weights", {"precision": "bf16"}, {
+                "precision_risk": "weights, gradients and optimizer state in bf16: small "
+                                  "updates can round away (Kahan summation or stochastic "
+                                  "rounding help)"}))
     if recipe.checkpointing == "none" and recipe.is_training:
         found.append(("activation checkpointing", {"checkpointing": "full"}, {}))
     if recipe.optimizer in ADAM_FAMILY:
@@ -249,29 +254,31 @@ def _first_plan(
     base_flops: int | None,
 ) -> LeverResult | None:
     """The smallest set of levers, in the standard order, that fits: a single lever if one
-    does, else growing prefixes (precision, + checkpointing, + optimizer), each tried with
-    gradient accumulation when it does not fit alone; checkpointing is then trimmed to the
-    fewest blocks that still fit."""
+    does, else growing prefixes (precision, + checkpointing, + optimizer) — with mixed
+    precision first, then bf16 weights — each tried with gradient accumulation when it
+    does not fit alone; checkpointing is then trimmed to the fewest blocks that still fit."""
     singles = [lever for lever in levers if lever.name != "Adafactor"]
     for lever in singles:
         if lever.status == "fits":
             changes = _selective(bench, recipe, lever.changes)
             return _result(bench, recipe, lever.name, changes, lever.cost, baseline, base_flops)
-    changes: dict = {}
-    names: list[str] = []
-    for lever in singles:
-        if lever.name == "gradient accumulation":
-            continue
-        changes = {**changes, **lever.changes}
-        names.append(lever.name)
-        trial = (
-            changes
-            if bench.fits(_apply(recipe, changes))
-            else (_accumulate(bench, recipe, changes) if recipe.batch_size > 1 else None)
-        )
-        if trial is not None:
-            trial = _selective(bench, recipe, trial)
-            if "grad_accum" in trial and "gradient accumulation" not in names:
-                names.append("gradient accumulation")
-            return _result(bench, recipe, " + ".join(names), trial, {}, baseline, base_flops)
+    precisions = [lever for lever in singles if "precision" in lever.changes] or [None]
+    others = [lever for lever in singles
+              if "precision" not in lever.changes and lever.name != "gradient accumulation"]
+    for precision in precisions:
+        changes = dict(precision.changes) if precision else {}
+        names = [precision.name] if precision else []
+        for lever in [None, *others]:
+            if lever is not None:
+                changes = {**changes, **lever.changes}
+                names = [*names, lever.name]
+            if not changes:
+                continue
+            trial = changes if bench.fits(_apply(recipe, changes)) else (
+                _accumulate(bench, recipe, changes) if recipe.batch_size > 1 else None)
+            if trial is not None:
+                trial = _selective(bench, recipe, trial)
+                label = names + (["gradient accumulation"] if "grad_accum" in trial else [])
+                return _result(bench, recipe, " + ".join(label), trial, {}, baseline,
+                               base_flops)
     return None
