@@ -99,16 +99,7 @@ def estimate_command(
         raise UserError(f"unknown framework {framework!r}; choose pytorch or tensorflow")
     if target not in ("cuda", "cpu"):
         raise UserError(f"unknown target {target!r}; choose cuda or cpu")
-    recipe = recipe_from_options(
-        batch_size=batch_size,
-        seq_len=seq_len,
-        input_shape=input_shape,
-        precision=precision,
-        optimizer=optimizer,
-        checkpointing=checkpointing,
-        grad_accum=grad_accum,
-        mode=mode,
-    )
+    recipe = recipe_from_options(locals())
     layout = layout_from_flags(
         fsdp=fsdp,
         world_size=world_size,

@@ -72,16 +72,7 @@ def measure_command(
 ) -> int:
     """Run N real steps, measure memory, and print estimate vs measurement and a leak check."""
     check_units(units)
-    recipe = recipe_from_options(
-        batch_size=batch_size,
-        seq_len=seq_len,
-        input_shape=input_shape,
-        precision=precision,
-        optimizer=optimizer,
-        checkpointing=checkpointing,
-        grad_accum=grad_accum,
-        mode=mode,
-    )
+    recipe = recipe_from_options(locals())
     result = measure_and_compare(model, recipe, device, steps, snapshot, alloc_conf)
     if html or plot:
         write_reports(

@@ -1,7 +1,8 @@
 """Command-line options shared by every command that estimates a step.
 
->>> recipe_from_options(batch_size=8, seq_len=None, input_shape="3x32x32", precision="fp32",
-...     optimizer="sgd", checkpointing="none", grad_accum=1, mode="train").input_shape
+>>> recipe_from_options(dict(batch_size=8, seq_len=None, input_shape="3x32x32",
+...     precision="fp32", optimizer="sgd", checkpointing="none", grad_accum=1,
+...     mode="train")).input_shape
 (3, 32, 32)
 """
 
@@ -67,28 +68,16 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print the vramplan.estima
 UnitsOpt = Annotated[str, typer.Option("--units", help="binary (MiB/GiB) | decimal (MB/GB).")]
 
 
-def recipe_from_options(
-    *,
-    batch_size: int,
-    seq_len: int | None,
-    input_shape: str | None,
-    precision: str,
-    optimizer: str,
-    checkpointing: str,
-    grad_accum: int,
-    mode: str,
-) -> Recipe:
-    """Validate the shared options into a Recipe (a UserError on any bad value)."""
-    return Recipe(
-        batch_size=batch_size,
-        seq_len=seq_len,
-        input_shape=parse_shape(input_shape) if input_shape else None,
-        precision=precision,
-        optimizer=optimizer,
-        checkpointing=checkpointing,
-        grad_accum=grad_accum,
-        mode=mode,
-    )
+RECIPE_OPTIONS = ("batch_size", "seq_len", "input_shape", "precision", "optimizer",
+                  "checkpointing", "grad_accum", "mode")
+
+
+def recipe_from_options(options: dict) -> Recipe:
+    """Validate a command's recipe options (read by name from ``options``, e.g. the
+    command's ``locals()``) into a Recipe; a UserError on any bad value."""
+    knobs = {name: options[name] for name in RECIPE_OPTIONS}
+    shape = knobs.pop("input_shape")
+    return Recipe(**knobs, input_shape=parse_shape(shape) if shape else None)
 
 
 GpuOpt = Annotated[

@@ -86,16 +86,7 @@ def max_batch_command(
     knob = {"batch-size": "batch_size", "seq-len": "seq_len"}.get(search)
     if knob is None:
         raise UserError(f"unknown search {search!r}; choose batch-size or seq-len")
-    recipe = recipe_from_options(
-        batch_size=batch_size,
-        seq_len=seq_len,
-        input_shape=input_shape,
-        precision=precision,
-        optimizer=optimizer,
-        checkpointing=checkpointing,
-        grad_accum=grad_accum,
-        mode=mode,
-    )
+    recipe = recipe_from_options(locals())
     bench = Workbench(model, device_options(gpu, gpu_memory, headroom, alloc_conf))
     result = largest_fitting(bench, recipe, knob, start=seq_len if knob == "seq_len" else None)
     if json_output:
@@ -154,16 +145,7 @@ def plan_command(
     """Rank the levers that cut memory and give the first plan that fits; without --gpu,
     judge every catalog GPU."""
     check_units(units)
-    recipe = recipe_from_options(
-        batch_size=batch_size,
-        seq_len=seq_len,
-        input_shape=input_shape,
-        precision=precision,
-        optimizer=optimizer,
-        checkpointing=checkpointing,
-        grad_accum=grad_accum,
-        mode=mode,
-    )
+    recipe = recipe_from_options(locals())
     all_gpus = gpu is None and gpu_memory is None
     card = "A100-80GB" if all_gpus else gpu
     bench = Workbench(model, device_options(card, gpu_memory, headroom, alloc_conf))
