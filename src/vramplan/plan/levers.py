@@ -175,10 +175,10 @@ def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
     """With checkpointing in ``changes``: the fewest leading blocks to recompute."""
     if changes.get("checkpointing") != "full":
         return changes
-    blocks = bench.build(bench.model, recipe).enable_checkpointing
-    if blocks is None:
+    built = bench.build(bench.model, recipe)  # one meta build tells the block count
+    if built.enable_checkpointing is None:
         return changes
-    total = blocks(bench.build(bench.model, recipe).model, None)
+    total = built.enable_checkpointing(built.model, None)
     low, high = 0, total  # high fits (full); find the smallest count that fits
     while high - low > 1:
         middle = (low + high) // 2
