@@ -231,8 +231,8 @@ class Block:
     next: Block | None = None
 
     @property
-    def key(self) -> tuple[int, int]:
-        return (self.size, self.address)
+    def key(self) -> tuple[int, int, int]:
+        return (self.segment.stream, self.size, self.address)
 
 
 @dataclass(eq=False)
@@ -244,6 +244,8 @@ class Segment:
     small: bool
     expandable: bool = False
     first: Block | None = None
+    stream: int = 0
+    """The stream that allocated it: its blocks serve only that stream's requests."""
 
 
 @dataclass
@@ -274,10 +276,11 @@ class OutOfMemory(Exception):
 
 @dataclass
 class _Pool:
-    """Free blocks of one pool, ordered by (size, address): best fit is a bisection."""
+    """Free blocks of one pool, ordered by (stream, size, address): best fit is a
+    bisection within the requesting stream."""
 
-    keys: list[tuple[int, int]] = field(default_factory=list)
-    blocks: dict[tuple[int, int], Block] = field(default_factory=dict)
+    keys: list[tuple[int, int, int]] = field(default_factory=list)
+    blocks: dict[tuple[int, int, int], Block] = field(default_factory=dict)
 
     def add(self, block: Block) -> None:
         bisect.insort(self.keys, block.key)
@@ -288,13 +291,17 @@ class _Pool:
         del self.keys[index]
         del self.blocks[block.key]
 
-    def best_fit(self, size: int) -> Block | None:
-        index = bisect.bisect_left(self.keys, (size, -1))
-        return self.blocks[self.keys[index]] if index < len(self.keys) else None
+    def best_fit(self, size: int, stream: int = 0) -> Block | None:
+        index = bisect.bisect_left(self.keys, (stream, size, -1))
+        if index < len(self.keys) and self.keys[index][0] == stream:
+            return self.blocks[self.keys[index]]
+        return None
 
 
 class CachingAllocator:
-    """The caching allocator of one device and one stream, fed requests in trace order.
+    """The caching allocator of one device, fed requests in trace order. Each request
+    names its stream (0: the default stream); a cached block serves only its own stream,
+    as in PyTorch, so memory freed by a communication stream is not reused by compute.
 
     ``capacity`` is the memory the allocator may reserve (the card minus what the CUDA
     context and libraries hold); ``None`` means unlimited.
@@ -310,19 +317,20 @@ class CachingAllocator:
         self._addresses = itertools.count(start=1 << 40, step=1 << 40)
 
     # -- public ------------------------------------------------------------------------
-    def malloc(self, size: int) -> Block:
-        """Serve a request of ``size`` bytes; raise ``OutOfMemory`` when it cannot."""
+    def malloc(self, size: int, stream: int = 0) -> Block:
+        """Serve a request of ``size`` bytes on ``stream``; raise ``OutOfMemory`` when it
+        cannot."""
         rounded = round_size(size, self.config)
         small = rounded <= SMALL_SIZE
         pool = self.small if small else self.large
-        block = self._free_block(pool, rounded)
+        block = self._free_block(pool, rounded, stream)
         if block is None:
-            block = self._new_block(rounded, small, retry=False)
-        if block is None and self._release_oversize(pool, rounded):
-            block = self._new_block(rounded, small, retry=False)
+            block = self._new_block(rounded, small, stream, retry=False)
+        if block is None and self._release_oversize(pool, rounded, stream):
+            block = self._new_block(rounded, small, stream, retry=False)
         if block is None:
             self._release_cached()
-            block = self._new_block(rounded, small, retry=True)
+            block = self._new_block(rounded, small, stream, retry=True)
         if block is None:
             self.stats.num_ooms += 1
             raise OutOfMemory(size, self.stats)
@@ -354,9 +362,12 @@ class CachingAllocator:
         if stats.reserved > stats.peak_reserved:
             stats.peak_reserved = stats.reserved
             stats.allocated_at_peak_reserved = stats.allocated
+        elif stats.reserved == stats.peak_reserved:  # the most allocated while held
+            stats.allocated_at_peak_reserved = max(
+                stats.allocated_at_peak_reserved, stats.allocated)
 
-    def _free_block(self, pool: _Pool, rounded: int) -> Block | None:
-        block = pool.best_fit(rounded)
+    def _free_block(self, pool: _Pool, rounded: int, stream: int) -> Block | None:
+        block = pool.best_fit(rounded, stream)
         if block is None:
             return None
         limit = self.config.max_split_size
@@ -367,15 +378,15 @@ class CachingAllocator:
         pool.remove(block)
         return block
 
-    def _new_block(self, rounded: int, small: bool, retry: bool) -> Block | None:
+    def _new_block(self, rounded: int, small: bool, stream: int, retry: bool) -> Block | None:
         if retry:
             self.stats.num_alloc_retries += 1
         if self.config.expandable_segments:
-            return self._grow_expandable(rounded, small)
+            return self._grow_expandable(rounded, small, stream)
         size = segment_size(rounded)
         if self.capacity is not None and self.stats.reserved + size > self.capacity:
             return None
-        segment = Segment(next(self._addresses), size, small)
+        segment = Segment(next(self._addresses), size, small, stream=stream)
         segment.first = Block(segment, segment.address, size)
         self.segments.append(segment)
         self.stats.reserved += size
@@ -383,12 +394,16 @@ class CachingAllocator:
         self._note_peaks()
         return segment.first
 
-    def _grow_expandable(self, rounded: int, small: bool) -> Block | None:
-        """Map more pages at the end of the pool's one segment (2 MiB small, 20 MiB large)."""
+    def _grow_expandable(self, rounded: int, small: bool, stream: int) -> Block | None:
+        """Map more pages at the end of the pool's one segment per stream (2 MiB small,
+        20 MiB large)."""
         page = SMALL_BUFFER if small else LARGE_BUFFER
-        segment = next((s for s in self.segments if s.expandable and s.small == small), None)
+        segment = next(
+            (s for s in self.segments if s.expandable and s.small == small and s.stream == stream),
+            None,
+        )
         if segment is None:
-            segment = Segment(next(self._addresses), 0, small, expandable=True)
+            segment = Segment(next(self._addresses), 0, small, expandable=True, stream=stream)
             self.segments.append(segment)
         tail = segment.first
         while tail is not None and tail.next is not None:
@@ -460,9 +475,10 @@ class CachingAllocator:
             if s.first is not None and s.first.next is None and not s.first.allocated
         ]
 
-    def _release_oversize(self, pool: _Pool, rounded: int) -> bool:
-        """With ``max_split_size`` set: free one cached oversize segment big enough, or the
-        largest ones until enough is freed (``release_available_cached_blocks``)."""
+    def _release_oversize(self, pool: _Pool, rounded: int, stream: int) -> bool:
+        """With ``max_split_size`` set: free one cached oversize segment of the stream big
+        enough, or the largest ones until enough is freed
+        (``release_available_cached_blocks``)."""
         limit = self.config.max_split_size
         if limit == UNLIMITED or self.config.expandable_segments:
             return False
@@ -471,7 +487,7 @@ class CachingAllocator:
             (
                 s
                 for s in self._whole_free_segments()
-                if (s.small == (pool is self.small)) and s.size >= limit
+                if s.small == (pool is self.small) and s.stream == stream and s.size >= limit
             ),
             key=lambda s: (s.size, s.address),
         )
@@ -528,6 +544,7 @@ class Request:
     key: int
     size: int
     is_alloc: bool
+    stream: int = 0
 
 
 @dataclass(frozen=True)
@@ -541,7 +558,8 @@ class ReplayResult:
 
     @property
     def fragmentation(self) -> int:
-        """Reserved but unallocated bytes at the reserved peak."""
+        """Reserved but unallocated bytes at the reserved peak: the peak less the most
+        bytes allocated while it was held (reserved stays at its peak until released)."""
         return self.stats.peak_reserved - self.stats.allocated_at_peak_reserved
 
 
@@ -563,7 +581,7 @@ def replay(
             continue
         if request.is_alloc:
             try:
-                block = allocator.malloc(request.size)
+                block = allocator.malloc(request.size, request.stream)
             except OutOfMemory:
                 return ReplayResult(allocator.stats, sizes, oom_at=position)
             live[request.key] = (block, request.size)

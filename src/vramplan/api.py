@@ -45,11 +45,16 @@ def model_info(built: BuiltModel) -> ModelInfo:
 
 
 def estimate_built(
-    built: BuiltModel, recipe: Recipe, target: str = "cuda", device: DeviceOptions | None = None
+    built: BuiltModel,
+    recipe: Recipe,
+    target: str = "cuda",
+    device: DeviceOptions | None = None,
+    engine: Any = None,
 ) -> Estimate:
     """Trace a built model with a recipe, summarise the trace into an Estimate and, for the
-    ``cuda`` target, replay it through the device model (allocator, runtime, verdict)."""
-    return trace_and_estimate(built, recipe, target, device)[0]
+    ``cuda`` target, replay it through the device model (allocator, runtime, verdict).
+    ``engine`` (``distributed.fsdp.Fsdp2``) traces one rank of a sharded run."""
+    return trace_and_estimate(built, recipe, target, device, engine=engine)[0]
 
 
 def trace_and_estimate(
@@ -58,11 +63,12 @@ def trace_and_estimate(
     target: str = "cuda",
     device: DeviceOptions | None = None,
     policy: DevicePolicy | None = None,
+    engine: Any = None,
 ) -> tuple[Estimate, Trace]:
     """``estimate_built`` that also returns the trace (to judge it on other cards)."""
     device = device or DeviceOptions()
     policy = policy or policy_for(target, device.card.arch)
-    trace = trace_training(built, recipe, policy)
+    trace = trace_training(built, recipe, policy, engine)
     notes = list(trace.notes)
     if recipe.is_training and recipe.optimizer in MODELLED:
         notes.append(f"optimizer {recipe.optimizer}: {MODELLED[recipe.optimizer]}")

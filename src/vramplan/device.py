@@ -132,7 +132,10 @@ def device_trace(trace: Trace, gpu: GpuSpec, cudnn_benchmark: bool) -> Trace:
 
 def requests_of(trace: Trace) -> list[Request]:
     """The allocator requests of a trace, in order."""
-    return [Request(e.allocation.id, e.allocation.nbytes, e.is_alloc) for e in trace.events()]
+    return [
+        Request(e.allocation.id, e.allocation.nbytes, e.is_alloc, e.allocation.stream)
+        for e in trace.events()
+    ]
 
 
 def judge(

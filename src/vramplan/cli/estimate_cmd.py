@@ -44,6 +44,7 @@ from vramplan.cli.options import (
     recipe_from_options,
 )
 from vramplan.distributed.facts import facts_of
+from vramplan.distributed.fsdp import engine_for, with_traced_layout
 from vramplan.distributed.layout import ParallelLayout, check_layout, per_rank
 from vramplan.distributed.options import layout_from_flags
 from vramplan.errors import UserError
@@ -114,13 +115,17 @@ def estimate_command(
         pp=pp,
         microbatches=microbatches,
     )
-    device = device_options(gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark, profile=profile)
+    engine = engine_for(layout)
+    device = device_options(gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark,
+                            data_parallel=layout.data_parallel if engine else 1, profile=profile)
     built = resolve(model, recipe)
     facts = facts_of(built) if layout != ParallelLayout() else None
     if facts is not None:
         check_layout(layout, facts)
-    result = estimate_built(built, recipe, target, device)
-    if facts is not None:
+    result = estimate_built(built, recipe, target, device, engine=engine)
+    if engine is not None:
+        result = with_traced_layout(result, layout)
+    elif facts is not None:
         result = per_rank(result, layout, facts)
     if framework == "tensorflow":
         result = result.with_changes(notes=(*result.notes, TENSORFLOW_NOTE))

@@ -1,7 +1,8 @@
 """The model facts a parallel layout needs, read from a built (meta) model.
 
 >>> facts_of(resolve("hf:gpt2", Recipe()))      # doctest: +SKIP
-ModelFacts(parameters=124439808, largest_block_parameters=7087872, layers=12, heads=12)
+ModelFacts(parameters=124439808, largest_block_parameters=7087872, layers=12, heads=12,
+           root_parameters=39390720)
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ def facts_of(built: BuiltModel) -> ModelFacts:
     if config is not None:
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     largest = max((sum(p.numel() for p in block.parameters()) for block in blocks), default=0)
+    parameters = sum(p.numel() for p in unique_parameters(model))
+    in_blocks = {id(p) for block in blocks for p in block.parameters()}
     return ModelFacts(
-        parameters=sum(p.numel() for p in unique_parameters(model)),
+        parameters=parameters,
         largest_block_parameters=largest,
         layers=len(blocks),
         heads=heads,
+        root_parameters=sum(p.numel() for p in unique_parameters(model) if id(p) not in in_blocks),
     )

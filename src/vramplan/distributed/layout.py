@@ -35,6 +35,9 @@ class ModelFacts:
     largest_block_parameters: int
     layers: int
     heads: int | None = None
+    root_parameters: int = 0
+    """Parameters outside the repeated blocks (embeddings, head): FSDP2's root group,
+    which stays gathered from forward to backward."""
 
 
 @dataclass(frozen=True)
@@ -115,12 +118,15 @@ def _model_states(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> t
         )
         return states.gpu_bytes, states.cpu_bytes
     per_param = single / max(1, psi)  # bytes per parameter in this recipe
-    if layout.shard == "fsdp":  # FSDP2 full shard: states / N + two gathered blocks
-        param_bytes = est.components["parameters"] / max(1, facts.parameters)
-        return int(single / n + 2 * largest * param_bytes + largest * param_bytes), 0
+    param_bytes = est.components["parameters"] / max(1, facts.parameters)
+    gathered = 2 if est.recipe.uses_autocast else param_bytes  # FSDP2 gathers in half
+    if layout.shard == "fsdp":
+        # FSDP2 full shard: states / N, the root group gathered throughout, the current and
+        # the prefetched block gathered, one block's gradients before reduce-scatter
+        root = facts.root_parameters // layout.tensor_parallel
+        return int(single / n + (root + 2 * largest) * gathered + largest * param_bytes), 0
     if layout.shard == "fsdp-grad-op":  # parameters stay gathered between forward and backward
-        param_bytes = est.components["parameters"] / max(1, facts.parameters)
-        return int(psi * param_bytes + (single - psi * param_bytes) / n), 0
+        return int(psi * gathered + (single - psi * param_bytes) / n), 0
     return int(per_param * psi), 0
 
 
@@ -147,15 +153,17 @@ def _rank_components(components: dict[str, int], phase: str, layout: ParallelLay
     for name in STATES:
         rank[name] = int(gpu_states * components[name] / states)
     share = _activation_share(layout)
-    for name in ("activations", "inputs"):
-        rank[name] = int(components[name] * share)
+    # the cast copies are saved for backward (activations) and otherwise temporaries
+    cast_saved = min(cast_cache, components["activations"]) if phase != "optimizer" else 0
+    rank["activations"] = int((components["activations"] - cast_saved) * share)
+    rank["inputs"] = int(components["inputs"] * share)
     if phase == "optimizer":
         sharded = layout.shard != "none"
         divisor = layout.tensor_parallel * layout.pipeline_parallel * (
             layout.data_parallel if sharded else 1)
         rank["temporaries"] = components["temporaries"] // divisor + buckets
     else:
-        temporaries = max(0, components["temporaries"] - cast_cache)
+        temporaries = max(0, components["temporaries"] - (cast_cache - cast_saved))
         rank["temporaries"] = int(temporaries * share) + buckets
     return rank
 

@@ -78,6 +78,7 @@ def categorize(
                 op=record.op,
                 alloc_index=record.alloc_index,
                 free_index=record.free_index,
+                stream=record.stream,
             )
         )
     return tuple(allocations)

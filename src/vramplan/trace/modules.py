@@ -24,7 +24,7 @@ class ModuleStack:
         """Learn the qualified names of ``model``'s submodules."""
         for name, module in model.named_modules():
             self.names[id(module)] = name or "(model)"
-            self.kinds[name or "(model)"] = type(module).__name__
+            self.kinds[name or "(model)"] = _class_name(module)
 
     def innermost(self) -> str:
         return self._stack[-1] if self._stack else ""
@@ -54,3 +54,11 @@ class ModuleStack:
             handle.remove()
         self._handles.clear()
         self._stack.clear()
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's own class name; FSDP2 swaps in a subclass named ``FSDP<name>``."""
+    cls = type(module)
+    if cls.__name__.startswith("FSDP") and len(cls.__bases__) == 2:
+        return cls.__bases__[1].__name__
+    return cls.__name__

@@ -11,11 +11,13 @@ the storage. Categories are settled afterwards (``categorize.py``)::
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
 from vramplan.trace.events import PhaseMark
@@ -61,6 +63,17 @@ class StorageRecord:
     alloc_index: int
     free_index: int | None = None
     tags: set[str] = field(default_factory=set)
+    stream: int = 0
+
+
+def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors holding memory behind ``tensor``: itself, or the inner tensors of a
+    wrapper subclass such as a DTensor (its local shard)."""
+    if not is_traceable_wrapper_subclass(tensor):
+        return [tensor]
+    names, _ = tensor.__tensor_flatten__()
+    inners = (getattr(tensor, name) for name in names)  # a DTensor also names its mesh
+    return [p for inner in inners if isinstance(inner, torch.Tensor) for p in plain_tensors(inner)]
 
 
 def storage_key(tensor: torch.Tensor) -> int:
@@ -82,6 +95,10 @@ class AllocationRecorder(TorchDispatchMode):
         self._closed = False
         self.op_counts: dict[tuple[str, str], int] = {}
         self.markers: list[OpMarker] = []
+        self.stream = 0
+        """The stream new storages are allocated on (0: the default stream)."""
+        self.stream_label = ""
+        """What the current side stream is for; prefixes the op names it allocates."""
 
     # -- phases -----------------------------------------------------------------------
     def set_phase(self, phase: str, iteration: int) -> None:
@@ -111,13 +128,35 @@ class AllocationRecorder(TorchDispatchMode):
 
     # -- storages ---------------------------------------------------------------------
     def track(self, tensor: torch.Tensor, op: str) -> StorageRecord | None:
-        """Register a tensor's storage if it is new; return its record."""
-        storage = tensor.untyped_storage()
-        key = storage._cdata
-        record = self.live.get(key)
+        """Register a tensor's storage if it is new; return its record (the last inner
+        tensor's for a wrapper subclass)."""
+        record = None
+        for plain in plain_tensors(tensor):
+            storage = plain.untyped_storage()
+            nbytes = storage.nbytes()
+            record = self.live.get(storage._cdata)
+            if record is not None and record.nbytes != nbytes:  # grown in place (``out=``)
+                self.on_resize(storage, nbytes)
+                record = self.live.get(storage._cdata)
+            elif record is None and nbytes:
+                record = self._new_record(storage, nbytes, op)
+        return record
+
+    def on_resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
+        """A storage was resized in place (FSDP frees and re-allocates its unsharded
+        parameters this way): the old size dies, the new one is born."""
+        record = self.live.get(storage._cdata)
+        if record is not None and record.nbytes == nbytes:
+            return
         if record is not None:
-            return record
-        nbytes = storage.nbytes()
+            self._on_free(record)
+        if nbytes:
+            self._new_record(storage, nbytes, "resize_storage").tags.add("resized")
+
+    def _new_record(self, storage: torch.UntypedStorage, nbytes: int, op: str) -> StorageRecord:
+        key = storage._cdata
+        if self.stream_label:
+            op = f"{self.stream_label}:{op}"
         phase, iteration = self.current_phase()
         self._sync_phase_mark(phase, iteration)
         record = StorageRecord(
@@ -129,6 +168,7 @@ class AllocationRecorder(TorchDispatchMode):
             module=self.modules.innermost(),
             op=op,
             alloc_index=self.event_count,
+            stream=self.stream,
         )
         self.event_count += 1
         self.records.append(record)
@@ -137,8 +177,9 @@ class AllocationRecorder(TorchDispatchMode):
         return record
 
     def record_for(self, tensor: torch.Tensor) -> StorageRecord | None:
-        """The live record of a tensor's storage, if it was traced."""
-        return self.live.get(storage_key(tensor))
+        """The live record of a tensor's storage (a wrapper's first inner tensor), if it
+        was traced."""
+        return self.live.get(storage_key(plain_tensors(tensor)[0]))
 
     def _on_free(self, record: StorageRecord) -> None:
         if self._closed:
@@ -180,3 +221,21 @@ class AllocationRecorder(TorchDispatchMode):
                 )
             )
         return out
+
+
+@contextlib.contextmanager
+def storage_resizes(recorder: AllocationRecorder) -> Iterator[None]:
+    """Report ``UntypedStorage.resize_`` calls to ``recorder`` (no dispatch mode sees them;
+    PyTorch's own MemTracker patches the method the same way)."""
+    original = torch.UntypedStorage.resize_
+
+    def resize_(storage: torch.UntypedStorage, size: int):
+        result = original(storage, size)
+        recorder.on_resize(storage, int(size))
+        return result
+
+    torch.UntypedStorage.resize_ = resize_
+    try:
+        yield
+    finally:
+        torch.UntypedStorage.resize_ = original

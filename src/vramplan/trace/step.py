@@ -33,7 +33,7 @@ from vramplan.trace.events import Trace
 from vramplan.trace.materialize import materialize, unique_parameters
 from vramplan.trace.modules import ModuleStack
 from vramplan.trace.policy import DevicePolicy, entered
-from vramplan.trace.recorder import AllocationRecorder
+from vramplan.trace.recorder import AllocationRecorder, storage_resizes
 from vramplan.workload import Recipe
 
 
@@ -59,8 +59,11 @@ def _optimizer_phase_hooks(recorder: AllocationRecorder, optimizers: list) -> It
     """Mark every ``optimizer.step()`` (the user's own too) as the optimizer phase, and
     tag the state each optimizer holds after its step."""
 
-    def before(*_args, **_kwargs) -> None:
+    def before(optimizer, *_args, **_kwargs) -> None:
         recorder.enter_optimizer()
+        # Gradients an engine assigned itself (FSDP's sharded gradients) had no hook.
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
+        _tag(recorder, [g for g in grads if g is not None], "gradients")
 
     def after(optimizer, *_args, **_kwargs) -> None:
         recorder.leave_optimizer()
@@ -88,9 +91,19 @@ class TracingSession:
     notes: list[str] = field(default_factory=list)
     optimizers: list = field(default_factory=list)
 
-    def prepare_model(self, model: nn.Module) -> list[nn.Parameter]:
-        """Materialise ``model`` as fake tensors, tag its parameters, buffers and gradients."""
-        materialize(model)
+    def prepare_model(self, model: nn.Module, engine: Any = None) -> list[nn.Parameter]:
+        """Materialise ``model`` as fake tensors, tag its parameters, buffers and gradients.
+        A sharded model (``engine``) is materialised through ``to_empty``, which keeps the
+        engine's own references to its shards."""
+        if engine is None:
+            materialize(model)
+        else:
+            self.fake.allow_non_fake_inputs = True  # meta shards become fake ones
+            try:
+                model.to_empty(device="cpu")
+            finally:
+                self.fake.allow_non_fake_inputs = False
+            engine.initialise(model)
         params = unique_parameters(model)
         _tag(self.recorder, params, "parameters")
         _tag(self.recorder, model.buffers(), "buffers")
@@ -150,6 +163,7 @@ def tracing(
             _quiet_fake_tensor_logs(),
             session.fake,
             session.recorder,
+            storage_resizes(session.recorder),
             modules,
             _optimizer_phase_hooks(session.recorder, session.optimizers),
             entered(policy.dispatch_modes(recipe)),
@@ -180,13 +194,21 @@ def prepare_model_for(built: BuiltModel, recipe: Recipe) -> list[str]:
     return notes
 
 
-def trace_training(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) -> Trace:
-    """Trace ``ITERATIONS`` steps of ``built`` with ``recipe`` under ``policy``."""
+def trace_training(
+    built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None
+) -> Trace:
+    """Trace ``ITERATIONS`` steps of ``built`` with ``recipe`` under ``policy``; with a
+    distributed ``engine`` (``distributed.fsdp.Fsdp2``), as one rank of it."""
     notes = prepare_model_for(built, recipe)
     model = built.model
-    with tracing(model, policy, recipe, built.name) as session:
+    with contextlib.ExitStack() as stack:
+        if engine is not None:
+            notes += stack.enter_context(engine.applied(model, recipe))
+        session = stack.enter_context(tracing(model, policy, recipe, built.name))
+        if engine is not None:
+            stack.enter_context(engine.watching(model, session.recorder))
         session.notes.extend(notes + built.notes)
-        params = session.prepare_model(model)
+        params = session.prepare_model(model, engine)
         batch = built.make_batch(recipe.batch_size, getattr(torch, recipe.param_dtype_name))
         session.tag_inputs(batch)
         optimizer = None

@@ -1,0 +1,190 @@
+"""Trace PyTorch's own FSDP2 (``fully_shard``) as one rank of a fake process group.
+
+The model is sharded on the meta device with ``fully_shard`` over a fake process group of
+``world_size`` ranks (PyTorch's "fake" backend: collectives do nothing, shapes are real),
+then traced like any step: the rank's sharded parameters, gradients and optimizer state,
+the all-gathered blocks with their prefetching and resharding after forward, and the
+reduce-scatter buffers are FSDP2's own allocations. FSDP2 runs its collectives on three
+side streams; each allocation keeps its stream, so the allocator model does not reuse a
+communication stream's cached blocks for compute::
+
+    >>> engine = Fsdp2(world_size=8)
+    >>> trace = trace_training(built, recipe, policy, engine)   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from vramplan.distributed.layout import ParallelLayout
+from vramplan.errors import UserError
+from vramplan.estimate import Estimate
+from vramplan.sources.blocks import repeated_blocks
+from vramplan.trace.recorder import AllocationRecorder, StorageRecord
+from vramplan.workload import Recipe
+
+_HALF = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
+_STREAMS = (
+    ("all_gather_copy_in_stream", "all_gather"),
+    ("all_gather_stream", "all_gather"),
+    ("reduce_scatter_stream", "reduce_scatter"),
+    ("all_reduce_stream", "all_reduce"),
+)
+
+
+@contextlib.contextmanager
+def fake_process_group(world_size: int) -> Iterator[object]:
+    """A fake process group of ``world_size`` ranks (we are rank 0) and its 1-D CPU mesh."""
+    import torch.testing._internal.distributed.fake_pg as fake_pg  # registers "fake"
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():
+        raise UserError("a process group is already initialised in this process")
+    dist.init_process_group("fake", store=fake_pg.FakeStore(), rank=0, world_size=world_size)
+    try:
+        yield init_device_mesh("cpu", (world_size,))
+    finally:
+        dist.destroy_process_group()
+
+
+@dataclass(frozen=True)
+class Fsdp2:
+    """FSDP2 over ``world_size`` data-parallel ranks: ``fully_shard`` on every repeated
+    block and on the root. ``reshard_after_forward=False`` keeps each block gathered from
+    forward to backward (ZeRO-2-like, ``--shard grad-op``). With amp precisions the
+    blocks are gathered in half precision (``MixedPrecisionPolicy(param_dtype=half,
+    reduce_dtype=float32)``) and autocast stays on, as a single-GPU amp script that adds
+    ``fully_shard`` runs."""
+
+    world_size: int
+    reshard_after_forward: bool = True
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise UserError(f"FSDP world size must be at least 1, got {self.world_size}")
+
+    @contextlib.contextmanager
+    def applied(self, model: nn.Module, recipe: Recipe) -> Iterator[list[str]]:
+        """Shard the meta ``model`` in place for the duration; yields notes."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        half = _HALF.get(recipe.precision)
+        reduce = torch.float32 if half else None
+        policy = MixedPrecisionPolicy(param_dtype=half, reduce_dtype=reduce)
+        with fake_process_group(self.world_size) as mesh:
+            blocks = [b for b in repeated_blocks(model) if any(True for _ in b.parameters())]
+            for block in blocks:
+                fully_shard(
+                    block, mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+                    mp_policy=policy,
+                )
+            fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+                        mp_policy=policy)
+            gathered = f"{half}".replace("torch.", "") if half else "their own dtype"
+            yield [
+                f"FSDP2 traced as rank 0 of {self.world_size} on a fake process group: "
+                f"fully_shard on {len(blocks)} blocks and the root, gathered in {gathered}, "
+                + ("resharded after forward" if self.reshard_after_forward
+                   else "kept gathered from forward to backward")
+            ]
+
+    @contextlib.contextmanager
+    def watching(self, model: nn.Module, recorder: AllocationRecorder) -> Iterator[None]:
+        """Follow FSDP2's side streams while tracing, and settle what its buffers are."""
+        with _side_streams(model, recorder):
+            yield
+        for record in recorder.records:
+            _classify(record)
+
+    @staticmethod
+    def initialise(model: nn.Module) -> None:
+        """FSDP2's lazy initialisation (root state, padded shards), run before tagging."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if isinstance(model, FSDPModule):
+            model._get_fsdp_state()._lazy_init()
+
+
+def _classify(record: StorageRecord) -> None:
+    """All-gather buffers and unsharded parameters are parameters (gathered); the
+    reduce-scatter buffers carry gradients."""
+    if "resized" in record.tags or record.op.startswith("all_gather:"):
+        record.tags.add("parameters")
+    elif record.op.startswith(("reduce_scatter:", "all_reduce:")):
+        record.tags.add("gradients")
+
+
+@contextlib.contextmanager
+def _side_streams(model: nn.Module, recorder: AllocationRecorder) -> Iterator[None]:
+    """Number FSDP2's streams as it enters them (``torch.cpu.stream`` on our fake CPU
+    mesh) and label them from its communication context."""
+    original = torch.cpu.stream
+    numbers: dict[int, int] = {}
+
+    def label_of(stream: object) -> str:
+        state = model._get_fsdp_state() if hasattr(model, "_get_fsdp_state") else None
+        context = getattr(state, "_comm_ctx", None)
+        for attribute, label in _STREAMS:
+            if getattr(context, attribute, None) is stream:
+                return label
+        return ""
+
+    @contextlib.contextmanager
+    def stream(side_stream):
+        previous = (recorder.stream, recorder.stream_label)
+        label = label_of(side_stream)
+        if label:
+            recorder.stream = numbers.setdefault(id(side_stream), len(numbers) + 1)
+            recorder.stream_label = label
+        else:
+            recorder.stream, recorder.stream_label = 0, ""
+        try:
+            with original(side_stream):
+                yield
+        finally:
+            recorder.stream, recorder.stream_label = previous
+
+    torch.cpu.stream = stream
+    try:
+        yield
+    finally:
+        torch.cpu.stream = original
+
+
+def engine_for(layout: ParallelLayout) -> Fsdp2 | None:
+    """The engine that traces ``layout`` itself: FSDP2 when it is pure FSDP data
+    parallelism (with tensor or pipeline parallelism the layout formulas apply).
+
+    >>> from vramplan.distributed.layout import ParallelLayout
+    >>> engine_for(ParallelLayout(shard="fsdp", data_parallel=8))
+    Fsdp2(world_size=8, reshard_after_forward=True)
+    """
+    if layout.shard not in ("fsdp", "fsdp-grad-op"):
+        return None
+    if layout.tensor_parallel > 1 or layout.pipeline_parallel > 1:
+        return None
+    return Fsdp2(layout.data_parallel, reshard_after_forward=layout.shard == "fsdp")
+
+
+def with_traced_layout(est: Estimate, layout: ParallelLayout) -> Estimate:
+    """``est`` (traced as one rank) with the layout's summary in ``details["parallel"]``,
+    in the same shape as the formula path's."""
+    states = sum(est.components[k] for k in ("parameters", "gradients", "optimizer_state"))
+    details = dict(est.details)
+    details["parallel"] = {
+        "layout": layout.describe(),
+        "world_size": layout.world_size,
+        "traced": True,
+        "model_state_bytes_per_gpu": states,
+        "host_state_bytes": 0,
+        "bucket_bytes": 0,
+        "activation_share": 1.0,
+        "phase_peaks": dict(est.phase_peaks),
+    }
+    return replace(est, details=details)
