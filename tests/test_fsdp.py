@@ -14,6 +14,9 @@ from vramplan.cli import main
 from vramplan.distributed.facts import facts_of
 from vramplan.distributed.fsdp import Fsdp2
 from vramplan.distributed.layout import ParallelLayout, per_rank
+from vramplan.distributed.needed import GpusNeeded
+from vramplan.plan.bench import Workbench
+from vramplan.plan.sharded import traced_answer
 from vramplan.sources import resolve
 from vramplan.workload import Recipe
 
@@ -121,3 +124,17 @@ def test_cli_fsdp_is_traced(capsys, llama_spec):
     assert data["details"]["parallel"] == data["details"]["parallel"] | {
         "layout": "fsdp dp=4", "world_size": 4, "traced": True}
     assert data["runtime"]["nccl"] > 0
+
+
+def test_a_gpu_count_answer_is_confirmed_by_tracing(llama_spec, runs):
+    recipe = Recipe(batch_size=2, seq_len=128, precision="fp32", optimizer="adamw")
+    bench = Workbench(llama_spec, device_options(gpu="h100"))
+    layout = ParallelLayout(shard="fsdp", data_parallel=WORLD)
+    formula = per_rank(bench.estimate(recipe), layout, runs["facts"])
+    answer = traced_answer(bench, GpusNeeded(WORLD, layout, formula), recipe)
+    assert answer.estimate.details["parallel"]["traced"] is True
+    assert answer.estimate.peak.allocated_bytes == runs["fsdp"].peak.allocated_bytes
+    assert answer.estimate.verdict.status == "fits"
+    zero = ParallelLayout(shard="zero3", data_parallel=WORLD)  # not traceable: unchanged
+    kept = GpusNeeded(WORLD, zero, per_rank(bench.estimate(recipe), zero, runs["facts"]))
+    assert traced_answer(bench, kept, recipe) is kept

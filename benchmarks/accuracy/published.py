@@ -107,10 +107,14 @@ def main() -> None:
 
 def _reason(source: dict) -> str:
     text = " ".join(source.values()).lower()
-    if "fsdp" in text or "deepspeed" in text or "zero" in text:
-        return "needs sharding (FSDP/ZeRO), not modelled yet"
+    if "float8" in text or "mode=compile" in text or "torch.compile" in text:
+        return "float8 training or torch.compile: not traced"
+    if "sac" in text.split() or "selective op" in text or "op-level sac" in text:
+        return "op-level selective activation checkpointing (torchtitan SAC) is not a mode here"
     if "lora" in text or "4-bit" in text or "nf4" in text:
         return "LoRA/QLoRA tracing (frozen or quantised base) is formula-only (`vramplan llm`)"
+    if "fsdp" in text or "deepspeed" in text or "zero" in text:
+        return "sharded run whose model or setup is not bundled (FSDP2 is traced, ZeRO by formula)"
     if "generate" in text:
         return "generation loops (KV cache growing over decode steps) are not traced"
     if "context" in source.get("model", "").lower():

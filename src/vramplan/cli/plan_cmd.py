@@ -45,6 +45,7 @@ from vramplan.plan.fleet import gpus_that_fit
 from vramplan.plan.host import HostOptions, host_memory
 from vramplan.plan.levers import plan_levers
 from vramplan.plan.search import largest_fitting
+from vramplan.plan.sharded import traced_answer
 from vramplan.report.outputs import batch_curve_for, write_reports
 from vramplan.report.render import check_units
 from vramplan.sources import resolve
@@ -186,16 +187,18 @@ def plan_command(
 
 
 def _gpus_needed(bench: Workbench, model: str, recipe):
-    """GPUs needed as the recipe stands; failing that, with full checkpointing."""
+    """GPUs needed as the recipe stands; failing that, with full checkpointing. An FSDP
+    answer is then traced through FSDP2 itself."""
     facts = facts_of(resolve(model, recipe))
     try:
-        return gpus_needed(bench.estimate(recipe), facts), ""
+        return traced_answer(bench, gpus_needed(bench.estimate(recipe), facts), recipe), ""
     except UserError as exc:
         if recipe.checkpointing == "full" or not recipe.is_training:
             return None, str(exc)
     checkpointed = recipe.with_changes(checkpointing="full")
     try:
-        return gpus_needed(bench.estimate(checkpointed), facts), "with --checkpointing full"
+        answer = gpus_needed(bench.estimate(checkpointed), facts)
+        return traced_answer(bench, answer, checkpointed), "with --checkpointing full"
     except UserError as exc:
         return None, str(exc)
 

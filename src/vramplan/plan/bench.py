@@ -10,8 +10,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from vramplan.api import estimate_from_trace, trace_and_estimate
+from vramplan.api import estimate_built, estimate_from_trace, trace_and_estimate
 from vramplan.calibrate import profile_for
 from vramplan.device import DeviceOptions, apply_device
 from vramplan.errors import UserError
@@ -52,6 +53,12 @@ class Workbench:
 
     def estimate(self, recipe: Recipe) -> Estimate:
         return self.run(recipe)[0]
+
+    def sharded(self, recipe: Recipe, engine: Any) -> Estimate:
+        """One rank of ``recipe`` traced under a sharding ``engine`` (``Fsdp2``)."""
+        self.traces += 1
+        device = replace(self.device, data_parallel=engine.world_size)
+        return estimate_built(self.build(self.model, recipe), recipe, "cuda", device, engine)
 
     def fits(self, recipe: Recipe) -> bool:
         return self.estimate(recipe).verdict.status == "fits"

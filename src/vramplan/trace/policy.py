@@ -32,6 +32,8 @@ class DevicePolicy(Protocol):
 
     def dispatch_modes(self, recipe: Recipe) -> list: ...
 
+    def trace_notes(self) -> list[str]: ...
+
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
@@ -56,21 +58,24 @@ class CpuPolicy:
     def dispatch_modes(self, recipe: Recipe) -> list:
         return []
 
+    def trace_notes(self) -> list[str]:
+        return []
+
 
 class CudaPolicy(CpuPolicy):
     """What a CUDA GPU does differently: CUDA's autocast op lists and weight-cast cache,
     foreach optimizers by default, the optimizer's ``step`` counters kept on the host.
     ``arch`` names the GPU architecture. One policy serves one traced run.
 
-    Attention runs as the CPU's fused SDPA kernel, which keeps what CUDA's flash kernel
-    keeps (q, k, v, the output, an fp32 log-sum-exp per row); CUDA's memory-efficient
-    kernel pads that log-sum-exp to 32 rows, and its math fallback is not emulated."""
+    ``F.scaled_dot_product_attention`` runs the kernel the GPU would pick (cuDNN, flash,
+    memory-efficient or math; ``cuda_sdpa.py``), not the CPU's choice."""
 
     name = "cuda"
 
     def __init__(self, arch: str = "sm80") -> None:
         self.arch = arch
         self._caster = None
+        self._attention = None
 
     def _caster_for(self, recipe: Recipe):
         from vramplan.trace.cuda_autocast import Caster
@@ -81,8 +86,15 @@ class CudaPolicy(CpuPolicy):
 
     def dispatch_modes(self, recipe: Recipe) -> list:
         from vramplan.trace.cuda_autocast import cuda_rules
+        from vramplan.trace.cuda_sdpa import SdpaLog, cuda_sdpa
 
-        return [cuda_rules(self._caster_for(recipe))] if recipe.uses_autocast else []
+        self._attention = SdpaLog({})
+        modes = [cuda_sdpa(self.arch, self._attention)]
+        return modes + ([cuda_rules(self._caster_for(recipe))] if recipe.uses_autocast else [])
+
+    def trace_notes(self) -> list[str]:
+        note = self._attention.note() if self._attention is not None else None
+        return [note] if note else []
 
     def autocast(self, recipe: Recipe) -> contextlib.AbstractContextManager:
         if not recipe.uses_autocast:

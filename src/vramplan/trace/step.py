@@ -129,7 +129,7 @@ class TracingSession:
             allocations=allocations,
             phases=tuple(recorder.phases),
             event_count=recorder.event_count,
-            notes=tuple(self.notes),
+            notes=(*self.notes, *self.policy.trace_notes()),
             module_kinds=dict(self.modules.kinds),
             op_counts=dict(recorder.op_counts),
             markers=tuple(recorder.markers),
