@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from vramplan.sources import resolve
 from vramplan.summarize import summarize_trace
-from vramplan.trace.cuda_sdpa import Attention, SdpaLog, choose_backend, cuda_sdpa
+from vramplan.trace.cuda_sdpa import Attention, choose_backend, cuda_sdpa
 from vramplan.trace.policy import CpuPolicy, CudaPolicy
 from vramplan.trace.step import trace_training
 from vramplan.workload import Recipe
@@ -57,7 +57,7 @@ def test_chosen_kernels_keep_their_log_sum_exp_not_the_matrix():
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     def saved_bytes(arch, dtype):
-        with FakeTensorMode(), cuda_sdpa(arch, SdpaLog({})):
+        with FakeTensorMode(), cuda_sdpa(arch, {}):
             q, k, v = _qkv(256, dtype)
             out = F.scaled_dot_product_attention(q, k, v, dropout_p=0.1)
             seen, total = set(), 0

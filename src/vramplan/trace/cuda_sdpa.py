@@ -191,23 +191,10 @@ def _run(backend, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, n
     )[0]
 
 
-@dataclass
-class SdpaLog:
-    """How many calls each backend served while tracing."""
-
-    counts: dict[str, int]
-
-    def note(self) -> str | None:
-        if not self.counts:
-            return None
-        parts = ", ".join(f"{name} x{n}" for name, n in sorted(self.counts.items()))
-        return f"attention as the GPU runs it (PyTorch's SDPA selection rules): {parts}"
-
-
 @contextlib.contextmanager
-def cuda_sdpa(arch: str, log: SdpaLog) -> Iterator[None]:
+def cuda_sdpa(arch: str, calls: dict[str, int]) -> Iterator[None]:
     """Route ``F.scaled_dot_product_attention`` to the kernel a GPU of ``arch`` picks,
-    counting the choices in ``log``."""
+    counting the choices in ``calls``."""
     original = F.scaled_dot_product_attention
 
     def scaled_dot_product_attention(
@@ -224,7 +211,7 @@ def cuda_sdpa(arch: str, log: SdpaLog) -> Iterator[None]:
         backend = choose_backend(shape, arch)
         if backend != "math" and shape.heads_q != shape.heads_kv and not enable_gqa:
             backend = "math"  # without enable_gqa the head counts must match
-        log.counts[backend] = log.counts.get(backend, 0) + 1
+        calls[backend] = calls.get(backend, 0) + 1
         with torch.autocast("cpu", enabled=False):
             return _run(backend, query, key, value, attn_mask, dropout_p, is_causal, scale,
                         enable_gqa, needs_grad)

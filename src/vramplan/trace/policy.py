@@ -68,14 +68,15 @@ class CudaPolicy(CpuPolicy):
     ``arch`` names the GPU architecture. One policy serves one traced run.
 
     ``F.scaled_dot_product_attention`` runs the kernel the GPU would pick (cuDNN, flash,
-    memory-efficient or math; ``cuda_sdpa.py``), not the CPU's choice."""
+    memory-efficient or math; ``cuda_sdpa.py``), not the CPU's choice, and LSTMs keep per-step
+    gate state as on CUDA (``cuda_rnn.py``)."""
 
     name = "cuda"
 
     def __init__(self, arch: str = "sm80") -> None:
         self.arch = arch
         self._caster = None
-        self._attention = None
+        self._kernels: dict[str, int] = {}
 
     def _caster_for(self, recipe: Recipe):
         from vramplan.trace.cuda_autocast import Caster
@@ -86,15 +87,26 @@ class CudaPolicy(CpuPolicy):
 
     def dispatch_modes(self, recipe: Recipe) -> list:
         from vramplan.trace.cuda_autocast import cuda_rules
-        from vramplan.trace.cuda_sdpa import SdpaLog, cuda_sdpa
+        from vramplan.trace.cuda_rnn import cuda_lstm
+        from vramplan.trace.cuda_sdpa import cuda_sdpa
 
-        self._attention = SdpaLog({})
-        modes = [cuda_sdpa(self.arch, self._attention)]
+        self._kernels = {}
+        modes = [cuda_sdpa(self.arch, self._kernels), cuda_lstm(self._kernels)]
         return modes + ([cuda_rules(self._caster_for(recipe))] if recipe.uses_autocast else [])
 
     def trace_notes(self) -> list[str]:
-        note = self._attention.note() if self._attention is not None else None
-        return [note] if note else []
+        calls = dict(self._kernels)
+        notes = []
+        lstm = calls.pop("lstm", 0)
+        if calls:
+            kernels = ", ".join(f"{name} x{n}" for name, n in sorted(calls.items()))
+            notes.append(f"attention as the GPU runs it (PyTorch's SDPA selection): {kernels}")
+        if lstm:
+            notes.append(
+                f"LSTM x{lstm} traced as PyTorch's native CUDA LSTM (per-step fused cells); "
+                "cuDNN's reserve buffer, of unpublished size, keeps the same kind of state"
+            )
+        return notes
 
     def autocast(self, recipe: Recipe) -> contextlib.AbstractContextManager:
         if not recipe.uses_autocast:
