@@ -152,3 +152,26 @@ def test_amp_with_checkpointing_recomputes_under_the_same_rules(tmp_path):
     base = estimate_built(resolve(f"hf:{path}", plain), plain, "cuda")
     assert full.details["tensor_components"]["activations"] < base.details[
         "tensor_components"]["activations"]
+
+
+def test_recompute_casts_do_not_outlive_their_block(tmp_path):
+    """A checkpoint's recompute enters and leaves autocast once per block; PyTorch empties
+    the weight-cast cache on leaving, so no half-precision weight copy reaches the
+    optimizer step: its phase holds what the fp32 run's holds."""
+    import json
+
+    from vramplan.sources import resolve
+    from vramplan.summarize import summarize_trace
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
+                                "vocab_size": 512, "n_positions": 64, "n_embd": 64,
+                                "n_layer": 2, "n_head": 2}))
+
+    def optimizer_phase(precision):
+        recipe = Recipe(batch_size=2, seq_len=32, precision=precision, checkpointing="full")
+        trace = trace_training(resolve(f"hf:{path}", recipe), recipe, CudaPolicy())
+        return summarize_trace(trace).phase_components["optimizer"]
+
+    amp, fp32 = optimizer_phase("amp-bf16"), optimizer_phase("fp32")
+    assert sum(amp.values()) == sum(fp32.values())

@@ -207,9 +207,18 @@ def _overload(name: str):
 @contextlib.contextmanager
 def cuda_rules(caster: Caster) -> Iterator[None]:
     """Register CUDA's autocast policies on the CPU autocast key for the block (a whole
-    traced run: checkpointing recomputes forward inside backward, under the same rules)."""
+    traced run: checkpointing recomputes forward inside backward, under the same rules).
+    The weight-cast cache empties whenever PyTorch's own does: on leaving the outermost
+    autocast context, which a checkpoint's recompute enters and leaves once per block."""
     library = torch.library.Library("aten", "IMPL")
     cuda_ops, cpu_only = registered_ops()
+    clear_autocast_cache = torch.clear_autocast_cache
+
+    def clear_both() -> None:
+        clear_autocast_cache()
+        caster.cache.clear()
+
+    torch.clear_autocast_cache = clear_both
     try:
         for name in cuda_ops:
             op = _overload(name)
@@ -221,6 +230,7 @@ def cuda_rules(caster: Caster) -> Iterator[None]:
                 library.impl(op, torch.library.fallthrough_kernel, "AutocastCPU")
         yield
     finally:
+        torch.clear_autocast_cache = clear_autocast_cache
         library._destroy()
 
 
