@@ -32,6 +32,7 @@ def test_native_lstm_matches_nn_lstm_shapes_and_gradients(bidirectional, batch_f
         assert all(p.grad is not None and p.grad.shape == p.shape for p in lstm.parameters())
 
 
+@pytest.mark.filterwarnings("ignore:LSTM with projections")
 def test_projections_run_as_before():
     with FakeTensorMode():
         calls: dict[str, int] = {}

@@ -173,3 +173,16 @@ def test_cli_per_rank_json(capsys, llama):
     data = json.loads(capsys.readouterr().out)
     assert data["details"]["parallel"]["layout"] == "zero3 dp=8"
     assert data["runtime"]["nccl"] > 0
+
+
+def test_offloaded_optimizer_step_leaves_no_gpu_temporaries(llama):
+    _, single, facts = llama
+    layout = ParallelLayout(shard="zero3", data_parallel=8, offload_optimizer=True)
+    rank = per_rank(single, layout, facts)
+    optimizer_peak = rank.details["parallel"]["phase_peaks"]["optimizer"]
+    on_device = ParallelLayout(shard="zero3", data_parallel=8)
+    kept = per_rank(single, on_device, facts).details["parallel"]["phase_peaks"]["optimizer"]
+    temporaries = single.details["phase_components"]["optimizer"]["temporaries"]
+    # the host runs the step: the rank keeps its states and DeepSpeed's buckets only
+    assert optimizer_peak < kept
+    assert kept - optimizer_peak >= temporaries // 8 - rank.details["parallel"]["bucket_bytes"]

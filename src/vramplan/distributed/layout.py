@@ -140,30 +140,58 @@ def _activation_share(layout: ParallelLayout) -> float:
     return share * min(p, layout.microbatches) / p
 
 
+def _cast_copies(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> tuple[int, int]:
+    """Autocast's half-precision copy of every weight (2 bytes each), which a sharded
+    engine does not make (it gathers half-precision blocks, counted with the model
+    states): (bytes saved for backward, bytes held only while the autocast region lasts).
+    Checkpointed blocks drop their copies; their recompute makes one block's again."""
+    recipe = est.recipe
+    if not recipe.uses_autocast or layout.shard == "none":
+        return 0, 0
+    total = facts.parameters * 2
+    blocks = recipe.checkpoint_blocks
+    recomputed = 1.0 if blocks is None else min(blocks, facts.layers) / max(1, facts.layers)
+    saved = int(total * (1 - recomputed)) if recipe.is_training else 0
+    return saved, total - saved
+
+
 def _rank_components(components: dict[str, int], phase: str, layout: ParallelLayout,
-                     gpu_states: int, buckets: int, cast_cache: int) -> dict[str, int]:
+                     gpu_states: int, buckets: int, cast: tuple[int, int],
+                     block_cast: int) -> dict[str, int]:
     """One phase's peak components as a rank holds them: model states by the sharding
-    formulas; activations, inputs and forward/backward temporaries by the layout's share;
-    the optimizer step's temporaries (param-sized lists of a foreach step) follow the
-    states each rank updates. ``cast_cache``: autocast's half-precision copy of every
-    weight, which a sharded engine does not make (it gathers half-precision blocks,
-    counted with the model states)."""
-    states = sum(components[k] for k in STATES) or 1
+    formulas (with the optimizer offloaded, a rank keeps parameters and gradients only);
+    activations, inputs and forward/backward temporaries by the layout's share, less the
+    autocast weight copies ``cast`` (saved, held) that a sharded engine does not make —
+    in backward only the recomputed block's ``block_cast``; the optimizer step's
+    temporaries (param-sized lists of a foreach step) follow the states each rank
+    updates, and stay on the host when it is offloaded."""
+    kept = [k for k in STATES if not (layout.offload_optimizer and k == "optimizer_state")]
+    states = sum(components[k] for k in kept)
     rank = dict(components)
     for name in STATES:
-        rank[name] = int(gpu_states * components[name] / states)
+        rank[name] = 0
+    if states:
+        for name in kept:
+            rank[name] = int(gpu_states * components[name] / states)
+    else:
+        rank["parameters"] = gpu_states
     share = _activation_share(layout)
-    # the cast copies are saved for backward (activations) and otherwise temporaries
-    cast_saved = min(cast_cache, components["activations"]) if phase != "optimizer" else 0
-    rank["activations"] = int((components["activations"] - cast_saved) * share)
+    cast_saved, cast_held = cast if phase != "optimizer" else (0, 0)
+    if phase == "backward" and cast_held:
+        cast_held = block_cast
+    saved = min(cast_saved, components["activations"])
+    rank["activations"] = int((components["activations"] - saved) * share)
     rank["inputs"] = int(components["inputs"] * share)
-    if phase == "optimizer":
+    if phase == "optimizer" and layout.offload_optimizer:
+        rank["temporaries"] = buckets  # the step runs on the host (DeepSpeed's CPU Adam)
+    elif phase == "optimizer":
         sharded = layout.shard != "none"
         divisor = layout.tensor_parallel * layout.pipeline_parallel * (
             layout.data_parallel if sharded else 1)
         rank["temporaries"] = components["temporaries"] // divisor + buckets
     else:
-        temporaries = max(0, components["temporaries"] - (cast_cache - cast_saved))
+        unmade = cast_held + cast_saved - saved
+        temporaries = max(0, components["temporaries"] - unmade)
         rank["temporaries"] = int(temporaries * share) + buckets
     return rank
 
@@ -178,10 +206,10 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
     stage = {"zero1": 1, "zero2": 2, "zero3": 3}.get(layout.shard, 0)
     buckets = bucket_bytes(stage, facts.parameters // layout.tensor_parallel)
     phases = est.details.get("phase_components") or {est.peak.phase: est.components}
-    cast_cache = facts.parameters * 2 if est.recipe.uses_autocast and layout.shard != "none" \
-        else 0
+    cast = _cast_copies(est, layout, facts)
+    block_cast = 2 * facts.largest_block_parameters if cast != (0, 0) else 0
     candidates = {phase: _rank_components(components, phase, layout, gpu_states, buckets,
-                                          cast_cache)
+                                          cast, block_cast)
                   for phase, components in phases.items() if phase != "setup"}
     phase, components = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
     allocated = sum(components.values())
