@@ -176,10 +176,12 @@ def plan_command(
     _render(result, fleet, host, all_gpus, units, bench.traces)
     if needed is not None:
         rank = format_bytes(needed.estimate.peak.device_total_bytes, units)
+        host = needed.estimate.details.get("parallel", {}).get("host_state_bytes", 0)
+        offloaded = f"; offloaded state on the host: {format_bytes(host, units)}" if host else ""
         Console().print(
             f"Needs [bold]{needed.gpus} x {result.baseline.verdict.gpu}[/bold] with "
             f"[bold]{needed.layout.describe()}[/bold] {needed_note}: {rank} per GPU, "
-            f"{needed.estimate.verdict.status.upper()}"
+            f"{needed.estimate.verdict.status.upper()}{offloaded}"
         )
     elif needed_note:
         Console().print(f"[bold red]No layout fits:[/bold red] {needed_note}")

@@ -42,6 +42,8 @@ class GpusNeeded:
             "gpus": self.gpus,
             "layout": self.layout.describe(),
             "per_rank_device_total_bytes": self.estimate.peak.device_total_bytes,
+            "host_state_bytes": self.estimate.details.get("parallel", {}).get(
+                "host_state_bytes", 0),
             "status": self.estimate.verdict.status,
         }
 
