@@ -15,6 +15,7 @@ communication stream's cached blocks for compute::
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
@@ -95,12 +96,18 @@ class Fsdp2:
             ]
 
     @contextlib.contextmanager
-    def watching(self, model: nn.Module, recorder: AllocationRecorder) -> Iterator[None]:
-        """Follow FSDP2's side streams while tracing, and settle what its buffers are."""
-        with _side_streams(model, recorder):
+    def watching(
+        self, model: nn.Module, recorder: AllocationRecorder, notes: list[str]
+    ) -> Iterator[None]:
+        """Follow FSDP2's side streams while tracing, settle what its buffers are, and turn
+        FSDP2's warnings about the model into notes."""
+        with warnings.catch_warnings(record=True) as caught, _side_streams(model, recorder):
+            warnings.simplefilter("always")
             yield
         for record in recorder.records:
             _classify(record)
+        said = {str(w.message).split(". ")[0] for w in caught if "FSDP" in str(w.message)}
+        notes.extend(f"FSDP2 warns: {message}" for message in sorted(said))
 
     @staticmethod
     def initialise(model: nn.Module) -> None:

@@ -230,7 +230,7 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
                            "phase_peaks": {p: sum(c.values()) for p, c in candidates.items()}}
     notes = (*est.notes, f"per-rank figures for {layout.describe()}: model states by the "
              "sharding formulas, activations from the single-GPU trace scaled by the layout "
-             "(FSDP2/DeepSpeed engines are not traced themselves)")
+             "(DeepSpeed, and FSDP with TP/PP, are not traced themselves)")
     peak = Peak(allocated_bytes=allocated, phase=phase, iteration=est.peak.iteration,
                 reserved_bytes=reserved, device_total_bytes=device_total,
                 fragmentation_bytes=reserved - allocated)

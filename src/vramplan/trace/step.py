@@ -206,7 +206,7 @@ def trace_training(
             notes += stack.enter_context(engine.applied(model, recipe))
         session = stack.enter_context(tracing(model, policy, recipe, built.name))
         if engine is not None:
-            stack.enter_context(engine.watching(model, session.recorder))
+            stack.enter_context(engine.watching(model, session.recorder, session.notes))
         session.notes.extend(notes + built.notes)
         params = session.prepare_model(model, engine)
         batch = built.make_batch(recipe.batch_size, getattr(torch, recipe.param_dtype_name))
