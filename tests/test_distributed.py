@@ -186,3 +186,24 @@ def test_offloaded_optimizer_step_leaves_no_gpu_temporaries(llama):
     # the host runs the step: the rank keeps its states and DeepSpeed's buckets only
     assert optimizer_peak < kept
     assert kept - optimizer_peak >= temporaries // 8 - rank.details["parallel"]["bucket_bytes"]
+
+
+def test_gpus_needed_skips_offload_the_host_cannot_hold():
+    from dataclasses import replace
+
+    from vramplan.device import judge
+
+    recipe = Recipe(batch_size=1, seq_len=128, precision="fp32")
+    single = estimate_built(resolve("hf:qwen2.5-0.5b", recipe), recipe, "cuda",
+                            device_options(gpu="h100"))
+    facts = facts_of(resolve("hf:qwen2.5-0.5b", recipe))
+    # judged against a 4 GiB card: ZeRO-3 with the optimizer on the host fits two
+    small = replace(single, verdict=judge("4GiB", 4 * 2**30, 0.0,
+                                          single.peak.device_total_bytes))
+    free = gpus_needed(small, facts)
+    assert free.layout.offload_optimizer and free.gpus == 2
+    host = free.estimate.details["parallel"]["host_state_bytes"]
+    # a host that cannot hold that state: more GPUs, nothing offloaded
+    bounded = gpus_needed(small, facts, host_limit=host - 1)
+    assert not bounded.layout.offload_optimizer and bounded.gpus > free.gpus
+    assert bounded.estimate.verdict.status == "fits"

@@ -151,12 +151,12 @@ def plan_command(
     card = "A100-80GB" if all_gpus else gpu
     bench = Workbench(model, device_options(card, gpu_memory, headroom, alloc_conf))
     result = plan_levers(bench, recipe)
+    limit = parse_bytes(host_memory_limit, "host memory") if host_memory_limit else None
     needed, needed_note = None, ""
     if not all_gpus and result.baseline.verdict.status != "fits" and result.plan is None:
-        needed, needed_note = _gpus_needed(bench, model, recipe)
+        needed, needed_note = _gpus_needed(bench, model, recipe, limit)
     options = [*result.levers, *([result.plan] if result.plan else [])]
     fleet = gpus_that_fit(bench, recipe, options, catalog() if all_gpus else (bench.device.card,))
-    limit = parse_bytes(host_memory_limit, "host memory") if host_memory_limit else None
     host = host_memory(
         result.baseline,
         HostOptions(workers=workers, limit_bytes=limit, offload_optimizer=offload_optimizer),
@@ -188,18 +188,20 @@ def plan_command(
     return 0
 
 
-def _gpus_needed(bench: Workbench, model: str, recipe):
+def _gpus_needed(bench: Workbench, model: str, recipe, host_limit: int | None):
     """GPUs needed as the recipe stands; failing that, with full checkpointing. An FSDP
-    answer is then traced through FSDP2 itself."""
+    answer is then traced through FSDP2 itself; offload that overflows ``host_limit`` is
+    not an answer."""
     facts = facts_of(resolve(model, recipe))
     try:
-        return traced_answer(bench, gpus_needed(bench.estimate(recipe), facts), recipe), ""
+        answer = gpus_needed(bench.estimate(recipe), facts, host_limit)
+        return traced_answer(bench, answer, recipe), ""
     except UserError as exc:
         if recipe.checkpointing == "full" or not recipe.is_training:
             return None, str(exc)
     checkpointed = recipe.with_changes(checkpointing="full")
     try:
-        answer = gpus_needed(bench.estimate(checkpointed), facts)
+        answer = gpus_needed(bench.estimate(checkpointed), facts, host_limit)
         return traced_answer(bench, answer, checkpointed), "with --checkpointing full"
     except UserError as exc:
         return None, str(exc)

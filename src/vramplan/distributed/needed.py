@@ -65,8 +65,11 @@ def _layouts(gpus: int, facts: ModelFacts) -> list[ParallelLayout]:
     return found
 
 
-def gpus_needed(estimate: Estimate, facts: ModelFacts) -> GpusNeeded:
-    """Search world sizes 1, 2, 4, ... for the first layout whose every rank fits."""
+def gpus_needed(
+    estimate: Estimate, facts: ModelFacts, host_limit: int | None = None
+) -> GpusNeeded:
+    """Search world sizes 1, 2, 4, ... for the first layout whose every rank fits (and,
+    with ``host_limit``, whose offloaded state fits the host's RAM)."""
     if estimate.verdict is None:
         raise UserError("counting GPUs needs a card: give --gpu NAME or --gpu-memory SIZE")
     gpus = 1
@@ -80,6 +83,9 @@ def gpus_needed(estimate: Estimate, facts: ModelFacts) -> GpusNeeded:
                 offload_optimizer=strategy.offload_optimizer,
             )
             rank = per_rank(estimate, layout, facts)
+            host = rank.details.get("parallel", {}).get("host_state_bytes", 0)
+            if host_limit is not None and host > host_limit:
+                continue
             if rank.verdict.status == "fits":
                 return GpusNeeded(gpus, layout, rank)
         gpus *= 2
