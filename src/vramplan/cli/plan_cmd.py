@@ -37,7 +37,7 @@ from vramplan.cli.options import (
     recipe_from_options,
 )
 from vramplan.distributed.facts import facts_of
-from vramplan.distributed.needed import gpus_needed
+from vramplan.distributed.needed import gpus_needed, host_state_bytes
 from vramplan.errors import UserError
 from vramplan.gpus import catalog
 from vramplan.plan.bench import Workbench
@@ -176,8 +176,9 @@ def plan_command(
     _render(result, fleet, host, all_gpus, units, bench.traces)
     if needed is not None:
         rank = format_bytes(needed.estimate.peak.device_total_bytes, units)
-        host = needed.estimate.details.get("parallel", {}).get("host_state_bytes", 0)
-        offloaded = f"; offloaded state on the host: {format_bytes(host, units)}" if host else ""
+        offloaded_bytes = host_state_bytes(needed.estimate)
+        offloaded = (f"; offloaded state on the host: {format_bytes(offloaded_bytes, units)}"
+                     if offloaded_bytes else "")
         Console().print(
             f"Needs [bold]{needed.gpus} x {result.baseline.verdict.gpu}[/bold] with "
             f"[bold]{needed.layout.describe()}[/bold] {needed_note}: {rank} per GPU, "

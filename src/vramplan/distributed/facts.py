@@ -22,12 +22,12 @@ def facts_of(built: BuiltModel) -> ModelFacts:
     if config is not None:
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
     largest = max((sum(p.numel() for p in block.parameters()) for block in blocks), default=0)
-    parameters = sum(p.numel() for p in unique_parameters(model))
+    params = unique_parameters(model)
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
     return ModelFacts(
-        parameters=parameters,
+        parameters=sum(p.numel() for p in params),
         largest_block_parameters=largest,
         layers=len(blocks),
         heads=heads,
-        root_parameters=sum(p.numel() for p in unique_parameters(model) if id(p) not in in_blocks),
+        root_parameters=sum(p.numel() for p in params if id(p) not in in_blocks),
     )

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from vramplan.distributed.layout import ParallelLayout
+from vramplan.distributed.layout import STATES, ParallelLayout
 from vramplan.errors import UserError
 from vramplan.estimate import Estimate
 from vramplan.sources.blocks import repeated_blocks
@@ -182,7 +182,7 @@ def engine_for(layout: ParallelLayout) -> Fsdp2 | None:
 def with_traced_layout(est: Estimate, layout: ParallelLayout) -> Estimate:
     """``est`` (traced as one rank) with the layout's summary in ``details["parallel"]``,
     in the same shape as the formula path's."""
-    states = sum(est.components[k] for k in ("parameters", "gradients", "optimizer_state"))
+    states = sum(est.components[k] for k in STATES)
     details = dict(est.details)
     details["parallel"] = {
         "layout": layout.describe(),

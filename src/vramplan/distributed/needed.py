@@ -29,6 +29,11 @@ STRATEGIES = (
 )
 
 
+def host_state_bytes(rank: Estimate) -> int:
+    """Host RAM a rank's layout offloads its model states to (0 without offload)."""
+    return rank.details.get("parallel", {}).get("host_state_bytes", 0)
+
+
 @dataclass(frozen=True)
 class GpusNeeded:
     """The smallest data-parallel world size that fits, its layout and per-rank estimate."""
@@ -42,8 +47,7 @@ class GpusNeeded:
             "gpus": self.gpus,
             "layout": self.layout.describe(),
             "per_rank_device_total_bytes": self.estimate.peak.device_total_bytes,
-            "host_state_bytes": self.estimate.details.get("parallel", {}).get(
-                "host_state_bytes", 0),
+            "host_state_bytes": host_state_bytes(self.estimate),
             "status": self.estimate.verdict.status,
         }
 
@@ -83,8 +87,7 @@ def gpus_needed(
                 offload_optimizer=strategy.offload_optimizer,
             )
             rank = per_rank(estimate, layout, facts)
-            host = rank.details.get("parallel", {}).get("host_state_bytes", 0)
-            if host_limit is not None and host > host_limit:
+            if host_limit is not None and host_state_bytes(rank) > host_limit:
                 continue
             if rank.verdict.status == "fits":
                 return GpusNeeded(gpus, layout, rank)

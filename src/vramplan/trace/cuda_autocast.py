@@ -237,12 +237,10 @@ def cuda_rules(caster: Caster) -> Iterator[None]:
 @contextlib.contextmanager
 def autocast_region(caster: Caster) -> Iterator[None]:
     """One autocast region: CPU autocast (running CUDA's rules while ``cuda_rules`` is
-    active); the weight-cast cache is dropped when the region ends, as on CUDA."""
-    try:
-        with torch.autocast("cpu", dtype=caster.lower):
-            yield
-    finally:
-        caster.cache.clear()
+    active); leaving it empties the weight-cast cache through ``cuda_rules``' hook on
+    ``torch.clear_autocast_cache``, as on CUDA."""
+    with torch.autocast("cpu", dtype=caster.lower):
+        yield
 
 
 @contextlib.contextmanager

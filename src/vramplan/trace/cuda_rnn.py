@@ -52,11 +52,10 @@ def native_lstm(x, hx, params, has_biases, num_layers, dropout, train, bidirecti
         outputs = []
         for direction in range(directions):
             index = layer * directions + direction
-            group = list(params[index * per:(index + 1) * per])
+            weights = list(params[index * per:(index + 1) * per])
             if not has_biases:  # the meta kernel wants biases: zeros, without gradients
-                zeros = torch.zeros(group[0].size(0), dtype=group[0].dtype)
-                group += [zeros, zeros]
-            weights = group
+                zeros = torch.zeros(weights[0].size(0), dtype=weights[0].dtype)
+                weights += [zeros, zeros]
             out, h, c = _direction(layer_input, h0[index], c0[index], weights, direction == 1)
             outputs.append(out)
             hs.append(h)

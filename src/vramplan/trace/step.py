@@ -63,7 +63,7 @@ def _optimizer_phase_hooks(recorder: AllocationRecorder, optimizers: list) -> It
         recorder.enter_optimizer()
         # Gradients an engine assigned itself (FSDP's sharded gradients) had no hook.
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-        _tag(recorder, [g for g in grads if g is not None], "gradients")
+        _tag(recorder, grads, "gradients")  # _tag skips the missing (None) ones
 
     def after(optimizer, *_args, **_kwargs) -> None:
         recorder.leave_optimizer()
