@@ -6,9 +6,10 @@
 
 from __future__ import annotations
 
-from vramplan.api import device_options, estimate_built
+from vramplan.device.options import device_options
+from vramplan.pipeline import estimate_built
+from vramplan.recipe import Recipe
 from vramplan.sources import resolve
-from vramplan.workload import Recipe
 
 WORKLOADS = [
     ("resnet50 b64 fp32", "torchvision:resnet50", Recipe(batch_size=64), "a100"),

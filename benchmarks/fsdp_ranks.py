@@ -12,12 +12,13 @@ from __future__ import annotations
 import argparse
 import time
 
-from vramplan.api import device_options, estimate_built
+from vramplan.device.options import device_options
 from vramplan.distributed.facts import facts_of
 from vramplan.distributed.fsdp import Fsdp2
 from vramplan.distributed.layout import ParallelLayout, per_rank
+from vramplan.pipeline import estimate_built
+from vramplan.recipe import Recipe
 from vramplan.sources import resolve
-from vramplan.workload import Recipe
 
 MiB = 2**20
 WORKLOADS = (

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import time
 
-from vramplan.api import device_options
+from vramplan.device.options import device_options
 from vramplan.plan.bench import Workbench
 from vramplan.plan.search import largest_fitting
-from vramplan.workload import Recipe
+from vramplan.recipe import Recipe
 
 CASES = [
     ("torchvision:resnet18", "t4", Recipe(batch_size=1, optimizer="sgd")),

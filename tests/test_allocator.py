@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from vramplan.allocator import (
+from vramplan.device.allocator import (
     MB,
     AllocatorConfig,
     CachingAllocator,

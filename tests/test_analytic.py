@@ -20,12 +20,12 @@ from vramplan.analytic.transformer import (
     shape_from_config,
     transformer_estimate,
 )
+from vramplan.recipe import Recipe
 from vramplan.sources.hf import load_config_dict
 from vramplan.sources.user_code import module_source
 from vramplan.trace.policy import CudaPolicy
 from vramplan.trace.step import trace_training
 from vramplan.units import parse_count
-from vramplan.workload import Recipe
 
 VGG = Path(__file__).resolve().parents[1] / "examples" / "vgg16.yaml"
 

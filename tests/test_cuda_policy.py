@@ -7,11 +7,11 @@ import pytest
 import torch
 from torch import nn
 
+from vramplan.recipe import Recipe
 from vramplan.sources.user_code import module_source
 from vramplan.trace.cuda_autocast import cuda_autocast, policy_of, registered_ops
 from vramplan.trace.policy import CpuPolicy, CudaPolicy
 from vramplan.trace.step import trace_training
-from vramplan.workload import Recipe
 
 
 def test_every_installed_cuda_autocast_op_gets_a_policy():
@@ -104,7 +104,7 @@ def test_weight_cast_cache_one_copy_per_region():
 def test_amp_trace_runs_backward_under_cuda_rules(tmp_path):
     import json
 
-    from vramplan.api import estimate_built
+    from vramplan.pipeline import estimate_built
     from vramplan.sources import resolve
 
     path = tmp_path / "config.json"
@@ -139,7 +139,7 @@ def test_amp_trace_runs_backward_under_cuda_rules(tmp_path):
 def test_amp_with_checkpointing_recomputes_under_the_same_rules(tmp_path):
     import json
 
-    from vramplan.api import estimate_built
+    from vramplan.pipeline import estimate_built
     from vramplan.sources import resolve
 
     path = tmp_path / "config.json"
@@ -161,7 +161,7 @@ def test_recompute_casts_do_not_outlive_their_block(tmp_path):
     import json
 
     from vramplan.sources import resolve
-    from vramplan.summarize import summarize_trace
+    from vramplan.trace.summary import summarize_trace
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],

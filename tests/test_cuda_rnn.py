@@ -8,12 +8,12 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from vramplan.recipe import Recipe, parse_shape
 from vramplan.sources import resolve
-from vramplan.summarize import summarize_trace
 from vramplan.trace.cuda_rnn import cuda_lstm
 from vramplan.trace.policy import CpuPolicy, CudaPolicy
 from vramplan.trace.step import trace_training
-from vramplan.workload import Recipe, parse_shape
+from vramplan.trace.summary import summarize_trace
 
 
 @pytest.mark.parametrize("bidirectional,batch_first,bias", [(False, True, True),

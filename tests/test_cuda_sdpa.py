@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vramplan.recipe import Recipe
 from vramplan.sources import resolve
-from vramplan.summarize import summarize_trace
 from vramplan.trace.cuda_sdpa import Attention, choose_backend, cuda_sdpa
 from vramplan.trace.policy import CpuPolicy, CudaPolicy
 from vramplan.trace.step import trace_training
-from vramplan.workload import Recipe
+from vramplan.trace.summary import summarize_trace
 
 
 def _shape(dtype=torch.bfloat16, head=64, heads_kv=8, mask=False, dropout=0.1, grad=True,

@@ -7,9 +7,9 @@ import json
 import pytest
 from conftest import run_cli
 
+from vramplan.device.catalog import catalog, gpu_from_memory, lookup_gpu
+from vramplan.device.runtime import runtime_table
 from vramplan.errors import UserError
-from vramplan.gpus import catalog, gpu_from_memory, lookup_gpu
-from vramplan.runtime import runtime_table
 
 
 @pytest.fixture

@@ -7,14 +7,15 @@ import json
 
 import pytest
 
-from vramplan.api import device_options, estimate_built
 from vramplan.cli import main
+from vramplan.device.options import device_options
 from vramplan.distributed.facts import facts_of
 from vramplan.distributed.layout import ParallelLayout, per_rank
 from vramplan.distributed.needed import STRATEGIES, gpus_needed
 from vramplan.distributed.zero import zero2_model_states, zero3_model_states
+from vramplan.pipeline import estimate_built
+from vramplan.recipe import Recipe
 from vramplan.sources import resolve
-from vramplan.workload import Recipe
 
 PSI, LARGEST = 7_000_000_000, 250_000_000
 
@@ -191,7 +192,7 @@ def test_offloaded_optimizer_step_leaves_no_gpu_temporaries(llama):
 def test_gpus_needed_skips_offload_the_host_cannot_hold():
     from dataclasses import replace
 
-    from vramplan.device import judge
+    from vramplan.device.verdict import judge
 
     recipe = Recipe(batch_size=1, seq_len=128, precision="fp32")
     single = estimate_built(resolve("hf:qwen2.5-0.5b", recipe), recipe, "cuda",

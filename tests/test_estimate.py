@@ -8,11 +8,11 @@ import torch
 from torch import nn
 
 import vramplan
-from vramplan.api import estimate_built
+from vramplan.pipeline import estimate_built
+from vramplan.recipe import Recipe
 from vramplan.sources.user_code import module_source
 from vramplan.trace.policy import CudaPolicy
 from vramplan.trace.step import trace_training
-from vramplan.workload import Recipe
 
 
 def mlp() -> nn.Module:

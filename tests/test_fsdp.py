@@ -9,16 +9,17 @@ import json
 import pytest
 import torch.distributed as dist
 
-from vramplan.api import device_options, estimate_built
 from vramplan.cli import main
+from vramplan.device.options import device_options
 from vramplan.distributed.facts import facts_of
 from vramplan.distributed.fsdp import Fsdp2
 from vramplan.distributed.layout import ParallelLayout, per_rank
 from vramplan.distributed.needed import GpusNeeded
+from vramplan.pipeline import estimate_built
 from vramplan.plan.bench import Workbench
 from vramplan.plan.sharded import traced_answer
+from vramplan.recipe import Recipe
 from vramplan.sources import resolve
-from vramplan.workload import Recipe
 
 STATES = ("parameters", "gradients", "optimizer_state")
 WORLD = 8
@@ -150,9 +151,9 @@ def test_traced_rank_equals_pytorchs_fsdp_mem_tracker(llama_spec):
 
     from vramplan.distributed.fsdp import fake_process_group
     from vramplan.sources.blocks import repeated_blocks
-    from vramplan.summarize import summarize_trace
     from vramplan.trace.policy import CpuPolicy
     from vramplan.trace.step import trace_training
+    from vramplan.trace.summary import summarize_trace
 
     recipe = Recipe(batch_size=2, seq_len=128, precision="fp32", optimizer="adamw")
     world = 4

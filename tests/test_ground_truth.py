@@ -13,11 +13,11 @@ import pytest
 import torch
 from torch import nn
 
-from vramplan.api import estimate_built
-from vramplan.measure import measure_built
+from vramplan.measure.run import measure_built
+from vramplan.pipeline import estimate_built
+from vramplan.recipe import Recipe
 from vramplan.sources import resolve
 from vramplan.sources.user_code import module_source
-from vramplan.workload import Recipe
 
 
 class TinyCNN(nn.Module):

@@ -7,8 +7,8 @@ import json
 import pytest
 from conftest import run_cli
 
-from vramplan.calibrate import DeviceProfile, load_profile, save_profile
-from vramplan.leak import check_leak
+from vramplan.device.profile import DeviceProfile, load_profile, save_profile
+from vramplan.measure.leak import check_leak
 
 
 @pytest.fixture

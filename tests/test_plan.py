@@ -7,14 +7,15 @@ import json
 
 import pytest
 
-from vramplan.api import device_options, estimate
+from vramplan import estimate
 from vramplan.cli import main
+from vramplan.device.options import device_options
 from vramplan.errors import UserError
 from vramplan.plan.bench import Workbench
 from vramplan.plan.host import HostOptions, host_memory
 from vramplan.plan.levers import plan_levers
 from vramplan.plan.search import bisection_cost, largest_fitting
-from vramplan.workload import Recipe
+from vramplan.recipe import Recipe
 
 # The runtime floor (CUDA context, cuBLAS and cuDNN kernels) is about 746 MiB: these cards
 # leave a tiny model room for a batch limit in the tens to hundreds.

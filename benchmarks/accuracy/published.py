@@ -14,11 +14,12 @@ import csv
 import statistics
 from pathlib import Path
 
-from vramplan.api import device_options, estimate_built
-from vramplan.calibrate import DeviceProfile
+from vramplan.device.options import device_options
+from vramplan.device.profile import DeviceProfile
 from vramplan.errors import UserError
+from vramplan.pipeline import estimate_built
+from vramplan.recipe import Recipe, parse_shape
 from vramplan.sources import resolve
-from vramplan.workload import Recipe, parse_shape
 
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE.parents[2] / "shared" / "validation" / "published.csv"

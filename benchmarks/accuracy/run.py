@@ -22,10 +22,11 @@ from pathlib import Path
 
 import torch
 
-from vramplan.compare import FIGURES, measure_and_compare
+import vramplan
 from vramplan.errors import UserError
-from vramplan.measure import default_device
-from vramplan.workload import Recipe, parse_shape
+from vramplan.measure.compare import FIGURES
+from vramplan.measure.run import default_device
+from vramplan.recipe import Recipe, parse_shape
 
 HERE = Path(__file__).resolve().parent
 COLUMNS = [
@@ -70,7 +71,7 @@ def run_one(row: dict, device: str) -> dict:
     out["device"] = device
     start = time.perf_counter()
     try:
-        result = measure_and_compare(row["model"], recipe_of(row), device, steps=3)
+        result = vramplan.Session(row["model"]).measure(recipe_of(row), device=device, steps=3)
     except UserError as exc:
         out["status"] = f"error: {exc}"
         return out

@@ -17,10 +17,10 @@ import time
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from vramplan.api import estimate_built
+from vramplan.pipeline import estimate_built
+from vramplan.recipe import Recipe
 from vramplan.sources import resolve
 from vramplan.trace.materialize import materialize, unique_parameters
-from vramplan.workload import Recipe
 
 WORKLOADS = [
     ("resnet50 b32", "torchvision:resnet50", Recipe(batch_size=32, optimizer="adamw")),

@@ -1,15 +1,61 @@
 """vramplan: how much GPU memory will this step take, where does it go, and does it fit?
 
 >>> import vramplan
->>> est = vramplan.estimate("torchvision:resnet50", batch_size=32)   # doctest: +SKIP
->>> est.peak.allocated_bytes                                        # doctest: +SKIP
+>>> s = vramplan.Session("torchvision:resnet50", gpu="a100")       # doctest: +SKIP
+>>> s.estimate(batch_size=64).peak.device_total_bytes              # doctest: +SKIP
+7713914880
+
+``Session`` is the front door; ``estimate``, ``max_batch_size``, ``plan``, ``measure`` and
+``estimate_step`` are one-call wrappers of it, and ``calc``, ``layers`` and ``llm`` answer
+without tracing.
 """
 
-__version__ = "0.1.0"
+from vramplan.api import (
+    calc,
+    calibrate,
+    estimate,
+    estimate_step,
+    gpus,
+    layers,
+    llm,
+    max_batch_size,
+    measure,
+    models,
+    parallel_layout,
+    plan,
+)
+from vramplan.distributed.layout import ParallelLayout
+from vramplan.errors import UserError
+from vramplan.measure.compare import Comparison
+from vramplan.plan.answer import PlanAnswer
+from vramplan.plan.search import SearchResult
+from vramplan.recipe import Recipe
+from vramplan.result import Component, Estimate, Phase
+from vramplan.session import Session
+from vramplan.version import __version__
 
-from vramplan.api import estimate, estimate_step  # noqa: E402
-from vramplan.errors import UserError  # noqa: E402
-from vramplan.estimate import Estimate  # noqa: E402
-from vramplan.workload import Recipe  # noqa: E402
-
-__all__ = ["estimate", "estimate_step", "Estimate", "Recipe", "UserError", "__version__"]
+__all__ = [
+    "Session",
+    "estimate",
+    "estimate_step",
+    "max_batch_size",
+    "plan",
+    "measure",
+    "calc",
+    "layers",
+    "llm",
+    "gpus",
+    "models",
+    "calibrate",
+    "parallel_layout",
+    "Recipe",
+    "ParallelLayout",
+    "Estimate",
+    "SearchResult",
+    "PlanAnswer",
+    "Comparison",
+    "Component",
+    "Phase",
+    "UserError",
+    "__version__",
+]

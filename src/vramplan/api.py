@@ -1,182 +1,116 @@
-"""The Python API: ``estimate()`` for a named model or an ``nn.Module``.
+"""Module-level conveniences, each a thin wrapper of ``Session`` or of an analytic source::
 
     import vramplan
-    est = vramplan.estimate("torchvision:resnet50", batch_size=32, optimizer="sgd")
+    est = vramplan.estimate("torchvision:resnet50", batch_size=32, optimizer="sgd", gpu="t4")
     est.components["gradients"] == est.model.parameter_bytes   # True
+    vramplan.max_batch_size("hf:gpt2", gpu="a10g", seq_len=1024).value
+    vramplan.plan("hf:meta-llama-3-8b", gpu="a100-80gb", batch_size=8, seq_len=4096)
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from vramplan.calibrate import load_profile, profile_for
-from vramplan.device import DeviceOptions, apply_device
+from vramplan.analytic.calc import METHODS, calculate
+from vramplan.analytic.layers import layers_estimate, load_spec
+from vramplan.analytic.transformer import LoRA, Parallelism, transformer_estimate
+from vramplan.device.catalog import GpuSpec, catalog
+from vramplan.device.options import device_options
+from vramplan.device.profile import DeviceProfile, save_profile
+from vramplan.distributed.layout import ParallelLayout
+from vramplan.distributed.options import layout_from_flags
 from vramplan.errors import UserError
-from vramplan.estimate import Estimate, ModelInfo
-from vramplan.gpus import gpu_from_memory, lookup_gpu
-from vramplan.optimizers import MODELLED
-from vramplan.sources import BuiltModel, resolve
-from vramplan.sources.user_code import meta_copy, module_source
-from vramplan.summarize import summarize_trace
-from vramplan.trace.events import Trace
-from vramplan.trace.materialize import unique_parameters
-from vramplan.trace.policy import DevicePolicy, policy_for
-from vramplan.trace.step import trace_step_function, trace_training
-from vramplan.workload import Recipe
+from vramplan.measure.calibrate import calibrate_device
+from vramplan.measure.compare import Comparison
+from vramplan.pipeline import estimate_user_step
+from vramplan.plan.answer import PlanAnswer
+from vramplan.plan.search import SearchResult
+from vramplan.recipe import Recipe, parse_shape
+from vramplan.result import Estimate
+from vramplan.session import Session
+from vramplan.sources import model_names
+from vramplan.sources.hf import load_config_dict
+from vramplan.sources.user_code import meta_copy
+from vramplan.units import parse_count
+
+SESSION_OPTIONS = (
+    "gpu",
+    "gpu_memory",
+    "headroom",
+    "alloc_conf",
+    "cudnn_benchmark",
+    "profile",
+    "target",
+    "framework",
+    "example_batch",
+    "loss_fn",
+)
 
 
-def model_info(built: BuiltModel) -> ModelInfo:
-    """Parameter counts of a built (meta or fake) model; tied weights counted once."""
-    params = unique_parameters(built.model)
-    buffers = {id(b): b for b in built.model.buffers()}.values()
-    return ModelInfo(
-        name=built.name,
-        architecture=built.architecture,
-        kind=built.kind,
-        parameters=sum(p.numel() for p in params),
-        trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
-        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
-        buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
-    )
-
-
-def estimate_built(
-    built: BuiltModel,
-    recipe: Recipe,
-    target: str = "cuda",
-    device: DeviceOptions | None = None,
-    engine: Any = None,
-) -> Estimate:
-    """Trace a built model with a recipe, summarise the trace into an Estimate and, for the
-    ``cuda`` target, replay it through the device model (allocator, runtime, verdict).
-    ``engine`` (``distributed.fsdp.Fsdp2``) traces one rank of a sharded run."""
-    return trace_and_estimate(built, recipe, target, device, engine=engine)[0]
-
-
-def trace_and_estimate(
-    built: BuiltModel,
-    recipe: Recipe,
-    target: str = "cuda",
-    device: DeviceOptions | None = None,
-    policy: DevicePolicy | None = None,
-    engine: Any = None,
-) -> tuple[Estimate, Trace]:
-    """``estimate_built`` that also returns the trace (to judge it on other cards)."""
-    device = device or DeviceOptions()
-    policy = policy or policy_for(target, device.card.arch)
-    trace = trace_training(built, recipe, policy, engine)
-    notes = list(trace.notes)
-    if recipe.is_training and recipe.optimizer in MODELLED:
-        notes.append(f"optimizer {recipe.optimizer}: {MODELLED[recipe.optimizer]}")
-    result = estimate_from_trace(trace, model_info(built), recipe, policy.name, notes)
-    if policy.name == "cuda":
-        result = apply_device(result, trace, device)
-    return result, trace
-
-
-def device_options(
-    gpu: str | None = None,
-    gpu_memory: str | None = None,
-    headroom: float = 0.10,
-    alloc_conf: str | None = None,
-    cudnn_benchmark: bool = False,
-    data_parallel: int = 1,
-    profile: str | None = None,
-) -> DeviceOptions:
-    """Validated device options from names (``gpu="a100"`` or ``gpu_memory="24GiB"``); a
-    profile path, or the saved profile of the named card, supplies measured runtime figures."""
-    if gpu and gpu_memory:
-        raise UserError("give either --gpu or --gpu-memory, not both")
-    card = lookup_gpu(gpu) if gpu else gpu_from_memory(gpu_memory) if gpu_memory else None
-    measured = load_profile(profile) if profile else profile_for(card.name) if gpu else None
-    return DeviceOptions(
-        gpu=card,
-        headroom=headroom,
-        alloc_conf=alloc_conf,
-        cudnn_benchmark=cudnn_benchmark,
-        data_parallel=data_parallel,
-        profile=measured,
-    )
-
-
-def estimate_from_trace(
-    trace, info: ModelInfo, recipe: Recipe, target: str, notes: list[str]
-) -> Estimate:
-    """Summarise a Trace into an Estimate."""
-    summary = summarize_trace(trace, trace.module_kinds)
-    return Estimate(
-        model=info,
-        recipe=recipe,
-        peak=summary.peak,
-        components=summary.components,
-        method="trace",
-        phase_peaks=summary.phase_peaks,
-        top_modules=summary.top_modules,
-        timeline=summary.timeline,
-        notes=tuple(notes),
-        details={
-            "target": target,
-            "traced_events": trace.event_count,
-            "phase_components": summary.phase_components,
-            "input_bytes": sum(a.nbytes for a in trace.allocations if a.category == "inputs"),
-            "optimizer_state_bytes": sum(
-                a.nbytes
-                for a in trace.allocations
-                if a.category == "optimizer_state" and a.free_index is None
-            ),
-        },
-    )
+def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Session options apart from recipe knobs."""
+    session = {k: v for k, v in options.items() if k in SESSION_OPTIONS}
+    return session, {k: v for k, v in options.items() if k not in SESSION_OPTIONS}
 
 
 def estimate(
-    model: str | nn.Module,
-    *,
-    batch_size: int = 1,
-    seq_len: int | None = None,
-    input_shape: tuple[int, ...] | None = None,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    checkpointing: str = "none",
-    grad_accum: int = 1,
-    mode: str = "train",
-    target: str = "cuda",
-    example_batch: Any = None,
-    loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
-    gpu: str | None = None,
-    gpu_memory: str | None = None,
-    headroom: float = 0.10,
-    alloc_conf: str | None = None,
-    cudnn_benchmark: bool = False,
+    model: str | nn.Module, *, layout: ParallelLayout | None = None, **options: Any
 ) -> Estimate:
     """Estimate one training (or inference) step of ``model``.
 
     ``model`` is a source name (``torchvision:resnet50``, ``hf:gpt2``, ``file.py:factory``)
     or an ``nn.Module``; for a module, ``example_batch`` (tensors of any device, only their
-    shapes are used) and ``loss_fn(output, batch)`` describe the step. ``target="cpu"``
-    traces what the CPU does instead of emulating a CUDA GPU. ``gpu`` (a catalog name) or
-    ``gpu_memory`` ("24GiB") adds a verdict against that card after ``headroom``;
-    ``alloc_conf`` takes ``PYTORCH_CUDA_ALLOC_CONF`` syntax.
+    shapes are used) and ``loss_fn(output, batch)`` describe the step. Options are the
+    ``Session``'s (``gpu``, ``gpu_memory``, ``headroom``, ``alloc_conf``,
+    ``cudnn_benchmark``, ``profile``, ``target``) and the ``Recipe``'s knobs
+    (``batch_size``, ``seq_len``, ``input_shape``, ``precision``, ``optimizer``,
+    ``checkpointing``, ``grad_accum``, ``mode``).
     """
-    device = device_options(gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark)
-    recipe = Recipe(
-        batch_size=batch_size,
-        seq_len=seq_len,
-        input_shape=input_shape,
-        precision=precision,
-        optimizer=optimizer,
-        checkpointing=checkpointing,
-        grad_accum=grad_accum,
-        mode=mode,
+    session, knobs = _split(options)
+    return Session(model, **session).estimate(layout=layout, **knobs)
+
+
+def max_batch_size(
+    model: str | nn.Module, *, search: str = "batch_size", **options: Any
+) -> SearchResult:
+    """The largest batch (``search="seq_len"``: context) that fits ``gpu`` with headroom."""
+    session, knobs = _split(options)
+    return Session(model, **session).max_batch(search=search, **knobs)
+
+
+def plan(
+    model: str | nn.Module,
+    *,
+    host_memory: str | int | None = None,
+    workers: int = 4,
+    offload_optimizer: bool = False,
+    **options: Any,
+) -> PlanAnswer:
+    """Levers, the first plan that fits, host RAM and the GPUs needed (see ``Session.plan``)."""
+    session, knobs = _split(options)
+    return Session(model, **session).plan(
+        host_memory=host_memory, workers=workers, offload_optimizer=offload_optimizer, **knobs
     )
-    if isinstance(model, nn.Module):
-        built = module_source(model, recipe, type(model).__name__, example_batch, loss_fn)
-    else:
-        built = resolve(model, recipe)
-    return estimate_built(built, recipe, target, device)
+
+
+def measure(
+    model: str,
+    *,
+    device: str | None = None,
+    steps: int = 3,
+    snapshot: str | None = None,
+    **options: Any,
+) -> Comparison:
+    """Run the step for real and put the estimate beside the measurement."""
+    session, knobs = _split(options)
+    return Session(model, **session).measure(
+        device=device, steps=steps, snapshot=snapshot, **knobs
+    )
 
 
 def estimate_step(
@@ -214,11 +148,10 @@ def estimate_step(
         raise UserError(f"estimate_step needs an nn.Module, got {type(model).__name__}")
     if not isinstance(iterations, int) or iterations <= 0:
         raise UserError(f"iterations must be a positive integer, got {iterations}")
-    label = name or f"{type(model).__name__} step"
-    meta_model = meta_copy(model)
-    batch_size = _leading_dim(batch)
+    if target not in ("cuda", "cpu"):
+        raise UserError(f"unknown target {target!r}; choose cuda or cpu")
     recipe = Recipe(
-        batch_size=batch_size,
+        batch_size=_leading_dim(batch),
         precision=precision,
         optimizer="none",
         extras={
@@ -226,23 +159,17 @@ def estimate_step(
             "optimizer": "user-defined" if optimizer is not None else "none",
         },
     )
-    policy = policy_for(target)
-    trace = trace_step_function(
-        step_fn, meta_model, batch, optimizer, policy, recipe, iterations, label
+    return estimate_user_step(
+        step_fn,
+        meta_copy(model),
+        batch,
+        optimizer,
+        recipe,
+        iterations,
+        name or f"{type(model).__name__} step",
+        target,
+        device_options(gpu, gpu_memory, headroom),
     )
-    device = device_options(gpu, gpu_memory, headroom)
-    params = list({id(p): p for p in meta_model.parameters()}.values())
-    info = ModelInfo(
-        name=label,
-        architecture=type(model).__name__,
-        kind="custom",
-        parameters=sum(p.numel() for p in params),
-        trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
-        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
-        buffer_bytes=sum(b.numel() * b.element_size() for b in meta_model.buffers()),
-    )
-    result = estimate_from_trace(trace, info, recipe, policy.name, list(trace.notes))
-    return apply_device(result, trace, device) if policy.name == "cuda" else result
 
 
 def _leading_dim(batch: Any) -> int:
@@ -253,3 +180,109 @@ def _leading_dim(batch: Any) -> int:
         if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
             return int(leaf.shape[0])
     return 1
+
+
+def parallel_layout(**flags: Any) -> ParallelLayout:
+    """A ParallelLayout from the command line's flags (``fsdp=8``, ``zero=3, dp=4``,
+    ``tp=2, sp=True``, ``pp=4, microbatches=8``); one GPU when none is given."""
+    return layout_from_flags(**flags)
+
+
+def calc(
+    params: str | int,
+    *,
+    activations_per_sample: str | int = 0,
+    batch_size: int = 1,
+    input_shape: str | tuple[int, ...] | None = None,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    mode: str = "train",
+    method: str = "pytorch",
+) -> Estimate:
+    """The classic arithmetic (``vramplan calc``): ``params`` and activations per sample
+    as numbers or with suffixes (``"20M"``, ``"1.3B"``)."""
+    recipe = Recipe(batch_size=batch_size, precision=precision, optimizer=optimizer, mode=mode)
+    return calculate(
+        parse_count(params, "parameter count"),
+        batch_size,
+        parse_count(activations_per_sample, "activations per sample"),
+        recipe,
+        _method(method),
+        parse_shape(input_shape) if isinstance(input_shape, str) else input_shape,
+    )
+
+
+def layers(
+    spec: str | Path,
+    *,
+    batch_size: int = 1,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    mode: str = "train",
+    method: str = "pytorch",
+) -> Estimate:
+    """A table of layers from a YAML/JSON spec, shapes propagated (``vramplan layers``)."""
+    recipe = Recipe(batch_size=batch_size, precision=precision, optimizer=optimizer, mode=mode)
+    return layers_estimate(load_spec(str(spec)), recipe, _method(method), name=str(spec))
+
+
+def llm(
+    model: str,
+    *,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    precision: str = "amp-bf16",
+    optimizer: str = "adamw",
+    mode: str = "train",
+    attention: str = "flash",
+    recompute: str = "none",
+    tp: int = 1,
+    sp: bool = False,
+    lora_rank: int = 0,
+    qlora: bool = False,
+) -> Estimate:
+    """Transformer formulas from an ``hf:`` config, no model built (``vramplan llm``)."""
+    if attention not in ("flash", "eager"):
+        raise UserError(f"unknown attention {attention!r}; choose flash or eager")
+    if recompute not in ("none", "selective", "full"):
+        raise UserError(f"unknown recompute {recompute!r}; choose none, selective or full")
+    if lora_rank < 0 or (qlora and lora_rank == 0):
+        raise UserError("--qlora needs --lora-rank R (a positive rank)")
+    prefix, _, name = model.partition(":")
+    if prefix != "hf" or not name:
+        raise UserError(f"llm takes hf:NAME or hf:path/config.json, got {model!r}")
+    label, config = load_config_dict(name)
+    recipe = Recipe(
+        batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer, mode=mode
+    )
+    return transformer_estimate(
+        config,
+        recipe,
+        f"hf:{label}",
+        flash=attention == "flash",
+        parallel=Parallelism(tp, sp),
+        recompute=recompute,
+        lora=LoRA(lora_rank, 4 if qlora else 16) if lora_rank else None,
+    )
+
+
+def _method(method: str) -> str:
+    if method not in METHODS:
+        raise UserError(f"unknown method {method!r}; choose pytorch or cs231n")
+    return method
+
+
+def gpus() -> tuple[GpuSpec, ...]:
+    """The GPU catalog."""
+    return catalog()
+
+
+def models(source: str = "hf") -> list[str]:
+    """The model names a source (``hf``, ``torchvision``, ``timm``) accepts."""
+    return model_names(source)
+
+
+def calibrate(output: str | Path | None = None) -> tuple[DeviceProfile, Path]:
+    """Measure this machine's GPU runtime (needs CUDA) and save its device profile."""
+    profile = calibrate_device()
+    return profile, save_profile(profile, Path(output) if output else None)

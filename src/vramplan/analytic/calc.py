@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 
 from vramplan.analytic.states import model_state_bytes
-from vramplan.estimate import Estimate, ModelInfo, Peak, empty_components
-from vramplan.workload import Recipe
+from vramplan.recipe import Recipe
+from vramplan.result import Estimate, ModelInfo, Peak, empty_components
 
 METHODS = ("pytorch", "cs231n")
 

@@ -24,8 +24,8 @@ from pathlib import Path
 from vramplan.analytic.calc import activation_bytes, cs231n_bytes
 from vramplan.analytic.states import model_state_bytes
 from vramplan.errors import UserError
-from vramplan.estimate import Estimate, ModelInfo, Peak, empty_components
-from vramplan.workload import Recipe
+from vramplan.recipe import Recipe
+from vramplan.result import Estimate, ModelInfo, Peak, empty_components
 
 TYPES = (
     "input",

@@ -21,8 +21,8 @@ from dataclasses import dataclass, replace
 
 from vramplan.analytic.states import model_state_bytes
 from vramplan.errors import UserError
-from vramplan.estimate import Estimate, ModelInfo, Peak, empty_components
-from vramplan.workload import Recipe
+from vramplan.recipe import Recipe
+from vramplan.result import Estimate, ModelInfo, Peak, empty_components
 
 DECODERS = {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "phi3", "mixtral"}
 

@@ -17,7 +17,7 @@ try:  # typer >= 0.29 vendors click
 except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exceptions
 
-from vramplan.errors import UserError
+from vramplan import UserError
 
 app = typer.Typer(
     name="vramplan",
@@ -34,7 +34,6 @@ def _root() -> None:
 
 
 EXIT_USER_ERROR = 2
-EXIT_OOM = 3
 
 
 def _register_commands() -> None:

@@ -11,9 +11,7 @@ from typing import Annotated
 
 import typer
 
-from vramplan.analytic.calc import METHODS, calculate
-from vramplan.analytic.layers import layers_estimate, load_spec
-from vramplan.analytic.transformer import LoRA, Parallelism, transformer_estimate
+import vramplan
 from vramplan.cli import app
 from vramplan.cli.options import (
     BatchSize,
@@ -25,11 +23,8 @@ from vramplan.cli.options import (
     SeqLen,
     UnitsOpt,
 )
-from vramplan.errors import UserError
+from vramplan.report.analytic import render_layers
 from vramplan.report.render import emit
-from vramplan.sources.hf import load_config_dict
-from vramplan.units import parse_count
-from vramplan.workload import Recipe, parse_shape
 
 MethodOpt = Annotated[
     str,
@@ -37,12 +32,6 @@ MethodOpt = Annotated[
         "--method", help="pytorch (what PyTorch keeps, default) | cs231n (the course's recipe)."
     ),
 ]
-
-
-def _method(method: str) -> str:
-    if method not in METHODS:
-        raise UserError(f"unknown method {method!r}; choose pytorch or cs231n")
-    return method
 
 
 @app.command("calc")
@@ -62,14 +51,15 @@ def calc_command(
     units: UnitsOpt = "binary",
 ) -> int:
     """The classic arithmetic: parameters, gradients, optimizer state and activations."""
-    recipe = Recipe(batch_size=batch_size, precision=precision, optimizer=optimizer, mode=mode)
-    estimate = calculate(
-        parse_count(params, "parameter count"),
-        batch_size,
-        parse_count(activations_per_sample, "activations per sample"),
-        recipe,
-        _method(method),
-        parse_shape(input_shape) if input_shape else None,
+    estimate = vramplan.calc(
+        params,
+        activations_per_sample=activations_per_sample,
+        batch_size=batch_size,
+        input_shape=input_shape,
+        precision=precision,
+        optimizer=optimizer,
+        mode=mode,
+        method=method,
     )
     return emit(estimate, json_output=json_output, units=units)
 
@@ -86,37 +76,17 @@ def layers_command(
     units: UnitsOpt = "binary",
 ) -> int:
     """Propagate shapes through a table of layers and count parameters and activations."""
-    recipe = Recipe(batch_size=batch_size, precision=precision, optimizer=optimizer, mode=mode)
-    estimate = layers_estimate(load_spec(spec), recipe, _method(method), name=spec)
-    if not json_output:
-        _print_layers(estimate, units)
-    return emit(estimate, json_output=json_output, units=units)
-
-
-def _print_layers(estimate, units: str) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    from vramplan.units import format_bytes
-
-    table = Table(title="Layers (per sample)", title_justify="left")
-    for column in ("#", "type", "output", "parameters", "activations", "saved"):
-        table.add_column(column, justify="left" if column in ("type", "output") else "right")
-    for row in estimate.details["layers"]:
-        table.add_row(
-            str(row["index"]),
-            row["type"],
-            "x".join(map(str, row["output_shape"])),
-            f"{row['parameters']:,}",
-            f"{row['activation_values']:,}",
-            format_bytes(row["saved_bytes_per_sample"], units),
-        )
-    Console().print(table)
-    values = estimate.details["activation_values_per_sample"]
-    Console().print(
-        f"Total: {estimate.model.parameters:,} parameters, {values:,} activation "
-        "values per sample (input included)"
+    estimate = vramplan.layers(
+        spec,
+        batch_size=batch_size,
+        precision=precision,
+        optimizer=optimizer,
+        mode=mode,
+        method=method,
     )
+    if not json_output:
+        render_layers(estimate, units)
+    return emit(estimate, json_output=json_output, units=units)
 
 
 @app.command("llm")
@@ -147,26 +117,18 @@ def llm_command(
     units: UnitsOpt = "binary",
 ) -> int:
     """Transformer formulas from a config: no model is built, answers in microseconds."""
-    if attention not in ("flash", "eager"):
-        raise UserError(f"unknown attention {attention!r}; choose flash or eager")
-    if recompute not in ("none", "selective", "full"):
-        raise UserError(f"unknown recompute {recompute!r}; choose none, selective or full")
-    if lora_rank < 0 or (qlora and lora_rank == 0):
-        raise UserError("--qlora needs --lora-rank R (a positive rank)")
-    prefix, _, name = model.partition(":")
-    if prefix != "hf" or not name:
-        raise UserError(f"llm takes hf:NAME or hf:path/config.json, got {model!r}")
-    label, config = load_config_dict(name)
-    recipe = Recipe(
-        batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer, mode=mode
-    )
-    estimate = transformer_estimate(
-        config,
-        recipe,
-        f"hf:{label}",
-        flash=attention == "flash",
-        parallel=Parallelism(tp, sp),
+    estimate = vramplan.llm(
+        model,
+        batch_size=batch_size,
+        seq_len=seq_len,
+        precision=precision,
+        optimizer=optimizer,
+        mode=mode,
+        attention=attention,
         recompute=recompute,
-        lora=LoRA(lora_rank, 4 if qlora else 16) if lora_rank else None,
+        tp=tp,
+        sp=sp,
+        lora_rank=lora_rank,
+        qlora=qlora,
     )
     return emit(estimate, json_output=json_output, units=units)

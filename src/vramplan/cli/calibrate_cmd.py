@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from vramplan.calibrate import calibrate_device, save_profile
+import vramplan
 from vramplan.cli import app
 from vramplan.cli.options import JsonOpt
 
@@ -30,10 +30,7 @@ def calibrate_command(
     json_output: JsonOpt = False,
 ) -> int:
     """Measure the CUDA context, loaded kernels and cuBLAS workspace of this GPU."""
-    from pathlib import Path
-
-    profile = calibrate_device()
-    path = save_profile(profile, Path(output) if output else None)
+    profile, path = vramplan.calibrate(output)
     if json_output:
         json.dump({**profile.to_json(), "path": str(path)}, sys.stdout, indent=2)
         sys.stdout.write("\n")

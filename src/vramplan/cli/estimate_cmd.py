@@ -5,7 +5,7 @@ $ vramplan estimate torchvision:resnet50 --batch-size 64 --gpu a100
 
 from __future__ import annotations
 
-from vramplan.api import device_options, estimate_built
+import vramplan
 from vramplan.cli import app
 from vramplan.cli.options import (
     AllocConfOpt,
@@ -43,20 +43,8 @@ from vramplan.cli.options import (
     ZeroOpt,
     recipe_from_options,
 )
-from vramplan.distributed.facts import facts_of
-from vramplan.distributed.fsdp import engine_for, with_traced_layout
-from vramplan.distributed.layout import ParallelLayout, check_layout, per_rank
-from vramplan.distributed.options import layout_from_flags
-from vramplan.errors import UserError
 from vramplan.report.outputs import batch_curve_for, write_reports
-from vramplan.report.render import emit
-from vramplan.sources import resolve
-
-TENSORFLOW_NOTE = (
-    "TensorFlow reserves nearly the whole card at start-up unless memory growth is on "
-    "(tf.config.experimental.set_memory_growth); nvidia-smi then shows the card as full "
-    "whatever the model needs. This estimate is the PyTorch step's memory."
-)
+from vramplan.report.render import check_units, emit
 
 
 @app.command("estimate")
@@ -96,12 +84,9 @@ def estimate_command(
     units: UnitsOpt = "binary",
 ) -> int:
     """Trace one training (or inference) step with fake tensors and break down its peak."""
-    if framework not in ("pytorch", "tensorflow"):
-        raise UserError(f"unknown framework {framework!r}; choose pytorch or tensorflow")
-    if target not in ("cuda", "cpu"):
-        raise UserError(f"unknown target {target!r}; choose cuda or cpu")
+    check_units(units)
     recipe = recipe_from_options(locals())
-    layout = layout_from_flags(
+    layout = vramplan.parallel_layout(
         fsdp=fsdp,
         world_size=world_size,
         shard=shard,
@@ -115,26 +100,18 @@ def estimate_command(
         pp=pp,
         microbatches=microbatches,
     )
-    engine = engine_for(layout)
-    device = device_options(gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark,
-                            data_parallel=layout.data_parallel if engine else 1, profile=profile)
-    built = resolve(model, recipe)
-    facts = facts_of(built) if layout != ParallelLayout() else None
-    if facts is not None:
-        check_layout(layout, facts)
-    result = estimate_built(built, recipe, target, device, engine=engine)
-    if engine is not None:
-        result = with_traced_layout(result, layout)
-    elif facts is not None:
-        result = per_rank(result, layout, facts)
-    if framework == "tensorflow":
-        result = result.with_changes(notes=(*result.notes, TENSORFLOW_NOTE))
-    if html:
-
-        def at(batch: int):
-            changed = recipe.with_changes(batch_size=batch)
-            return estimate_built(resolve(model, changed), changed, target, device)
-
-        curve = batch_curve_for(result, at)
-    write_reports(result, html=html, plot=plot, units=units, batch_curve=curve if html else None)
+    session = vramplan.Session(
+        model,
+        gpu=gpu,
+        gpu_memory=gpu_memory,
+        headroom=headroom,
+        alloc_conf=alloc_conf,
+        cudnn_benchmark=cudnn_benchmark,
+        profile=profile,
+        target=target,
+        framework=framework,
+    )
+    result = session.estimate(recipe, layout=layout)
+    curve = batch_curve_for(result, session.batch_curve_points(result, layout)) if html else None
+    write_reports(result, html=html, plot=plot, units=units, batch_curve=curve)
     return emit(result, json_output=json_output, units=units)

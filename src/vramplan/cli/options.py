@@ -12,7 +12,7 @@ from typing import Annotated
 
 import typer
 
-from vramplan.workload import Recipe, parse_shape
+from vramplan import Recipe
 
 Model = Annotated[
     str,
@@ -75,9 +75,7 @@ RECIPE_OPTIONS = ("batch_size", "seq_len", "input_shape", "precision", "optimize
 def recipe_from_options(options: dict) -> Recipe:
     """Validate a command's recipe options (read by name from ``options``, e.g. the
     command's ``locals()``) into a Recipe; a UserError on any bad value."""
-    knobs = {name: options[name] for name in RECIPE_OPTIONS}
-    shape = knobs.pop("input_shape")
-    return Recipe(**knobs, input_shape=parse_shape(shape) if shape else None)
+    return Recipe(**{name: options[name] for name in RECIPE_OPTIONS})
 
 
 GpuOpt = Annotated[

@@ -25,10 +25,10 @@ from torch import nn
 
 from vramplan.distributed.layout import STATES, ParallelLayout
 from vramplan.errors import UserError
-from vramplan.estimate import Estimate
+from vramplan.recipe import Recipe
+from vramplan.result import Estimate
 from vramplan.sources.blocks import repeated_blocks
 from vramplan.trace.recorder import AllocationRecorder, StorageRecord
-from vramplan.workload import Recipe
 
 _HALF = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
 _STREAMS = (

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from vramplan.device import judge
+from vramplan.device.runtime import runtime_table
+from vramplan.device.verdict import judge
 from vramplan.distributed.zero import (
     bucket_bytes,
     zero1_model_states,
@@ -20,8 +21,7 @@ from vramplan.distributed.zero import (
     zero3_model_states,
 )
 from vramplan.errors import UserError
-from vramplan.estimate import Estimate, Peak
-from vramplan.runtime import runtime_table
+from vramplan.result import Estimate, Peak
 
 SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op")
 STATES = ("parameters", "gradients", "optimizer_state")

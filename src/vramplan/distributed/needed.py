@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from vramplan.distributed.layout import ModelFacts, ParallelLayout, per_rank
 from vramplan.errors import UserError
-from vramplan.estimate import Estimate
+from vramplan.result import Estimate
 
 MAX_GPUS = 1024
 STRATEGIES = (

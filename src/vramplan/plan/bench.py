@@ -12,15 +12,16 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from vramplan.api import estimate_built, estimate_from_trace, trace_and_estimate
-from vramplan.calibrate import profile_for
-from vramplan.device import DeviceOptions, apply_device
+from vramplan.device.catalog import GpuSpec
+from vramplan.device.options import DeviceOptions
+from vramplan.device.profile import profile_for
+from vramplan.device.replay import apply_device
 from vramplan.errors import UserError
-from vramplan.estimate import Estimate
-from vramplan.gpus import GpuSpec
+from vramplan.pipeline import estimate_built, estimate_from_trace, trace_and_estimate
+from vramplan.recipe import Recipe
+from vramplan.result import Estimate
 from vramplan.sources import BuiltModel, resolve
 from vramplan.trace.events import Trace
-from vramplan.workload import Recipe
 
 
 def recipe_key(recipe: Recipe) -> str:
@@ -41,13 +42,17 @@ class Workbench:
         if self.device.gpu is None:
             raise UserError("planning needs a card: give --gpu NAME or --gpu-memory SIZE")
 
+    def built(self, recipe: Recipe) -> BuiltModel:
+        """The model built (on the meta device) for ``recipe``."""
+        return self.build(self.model, recipe)
+
     def run(self, recipe: Recipe) -> tuple[Estimate, Trace]:
         """The estimate and trace of ``recipe`` (traced once, then cached)."""
         key = recipe_key(recipe)
         if key not in self._done:
             self.traces += 1
             self._done[key] = trace_and_estimate(
-                self.build(self.model, recipe), recipe, "cuda", self.device
+                self.built(recipe), recipe, "cuda", self.device
             )
         return self._done[key]
 
@@ -58,7 +63,7 @@ class Workbench:
         """One rank of ``recipe`` traced under a sharding ``engine`` (``Fsdp2``)."""
         self.traces += 1
         device = replace(self.device, data_parallel=engine.world_size)
-        return estimate_built(self.build(self.model, recipe), recipe, "cuda", device, engine)
+        return estimate_built(self.built(recipe), recipe, "cuda", device, engine)
 
     def fits(self, recipe: Recipe) -> bool:
         return self.estimate(recipe).verdict.status == "fits"

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramplan.gpus import GpuSpec, catalog
+from vramplan.device.catalog import GpuSpec, catalog
 from vramplan.plan.bench import Workbench
 from vramplan.plan.levers import LeverResult
-from vramplan.workload import Recipe
+from vramplan.recipe import Recipe
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramplan.errors import UserError
-from vramplan.estimate import Estimate
+from vramplan.result import Estimate
 
 # A CUDA PyTorch process holds its libraries (CUDA runtime, cuBLAS, cuDNN kernels for the
 # host side) before any model: about 2 GiB of RSS is typical [H; measure with `measure`].

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 
 from torch.utils.flop_counter import FlopCounterMode
 
-from vramplan.api import trace_and_estimate
-from vramplan.estimate import Estimate
+from vramplan.pipeline import trace_and_estimate
 from vramplan.plan.bench import Workbench
+from vramplan.recipe import Recipe
+from vramplan.result import Estimate
 from vramplan.trace.policy import CudaPolicy
-from vramplan.workload import Recipe
 
 ADAM_FAMILY = ("adam", "adamw")
 FLAG_NAMES = {
@@ -95,7 +95,7 @@ class _CountingPolicy(CudaPolicy):
 def step_flops(bench: Workbench, recipe: Recipe) -> int:
     """FLOPs of the traced run (two iterations) under ``recipe``."""
     policy = _CountingPolicy(bench.device.card.arch)
-    trace_and_estimate(bench.build(bench.model, recipe), recipe, "cuda", bench.device, policy)
+    trace_and_estimate(bench.built(recipe), recipe, "cuda", bench.device, policy)
     return policy.counter.get_total_flops()
 
 
@@ -175,7 +175,7 @@ def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
     """With checkpointing in ``changes``: the fewest leading blocks to recompute."""
     if changes.get("checkpointing") != "full":
         return changes
-    built = bench.build(bench.model, recipe)  # one meta build tells the block count
+    built = bench.built(recipe)  # one meta build tells the block count
     if built.enable_checkpointing is None:
         return changes
     total = built.enable_checkpointing(built.model, None)

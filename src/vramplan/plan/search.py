@@ -15,9 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramplan.errors import UserError
-from vramplan.estimate import Estimate
 from vramplan.plan.bench import Workbench
-from vramplan.workload import Recipe
+from vramplan.recipe import Recipe
+from vramplan.result import Estimate
 
 KNOBS = {"batch_size": "batch size", "seq_len": "sequence length"}
 LIMIT = 1 << 20

@@ -16,7 +16,7 @@ from dataclasses import replace
 from vramplan.distributed.fsdp import engine_for, with_traced_layout
 from vramplan.distributed.needed import GpusNeeded
 from vramplan.plan.bench import Workbench
-from vramplan.workload import Recipe
+from vramplan.recipe import Recipe
 
 
 def traced_answer(bench: Workbench, answer: GpusNeeded, recipe: Recipe) -> GpusNeeded:

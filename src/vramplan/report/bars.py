@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from rich.text import Text
 
-from vramplan.estimate import COMPONENTS
 from vramplan.report.palette import COLOURS
+from vramplan.result import COMPONENTS
 
 
 def component_bar(components: dict[str, int], width: int = 60) -> Text:

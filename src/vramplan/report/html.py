@@ -10,8 +10,8 @@ import html
 import json
 from dataclasses import dataclass, field
 
-from vramplan.estimate import COMPONENTS, Estimate
 from vramplan.report.palette import COLOURS, LABELS
+from vramplan.result import COMPONENTS, Estimate
 from vramplan.units import Units, format_bytes
 
 WIDTH = 1100

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 from vramplan.errors import UserError
-from vramplan.estimate import Estimate
 from vramplan.report.html import BatchCurve, CurvePoint, render_html
+from vramplan.result import Estimate
 
 
 def batch_curve_for(estimate: Estimate, estimate_at) -> BatchCurve:

@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 from vramplan.errors import UserError
-from vramplan.estimate import COMPONENTS, Estimate
 from vramplan.report.palette import COLOURS, LABELS
+from vramplan.result import COMPONENTS, Estimate
 from vramplan.units import Units, format_bytes
 
 

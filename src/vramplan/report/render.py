@@ -10,8 +10,8 @@ import json
 import sys
 
 from vramplan.errors import UserError
-from vramplan.estimate import Estimate
 from vramplan.report.terminal import render_estimate
+from vramplan.result import Estimate
 
 UNITS = ("binary", "decimal")
 
@@ -22,12 +22,17 @@ def check_units(units: str) -> str:
     return units
 
 
+def print_json(data: object) -> None:
+    """One JSON document on stdout."""
+    json.dump(data, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
 def emit(estimate: Estimate, *, json_output: bool, units: str) -> int:
     """Render to stdout; return 3 when the verdict is OOM, else 0."""
     check_units(units)
     if json_output:
-        json.dump(estimate.to_json(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
+        print_json(estimate.to_json())
     else:
         render_estimate(estimate, units)
     return 3 if estimate.verdict is not None and estimate.verdict.status == "oom" else 0

@@ -9,9 +9,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from vramplan.estimate import COMPONENTS, Estimate
 from vramplan.report.bars import component_bar
 from vramplan.report.palette import COLOURS
+from vramplan.result import COMPONENTS, Estimate
 from vramplan.units import Units, format_bytes, unit_name
 
 _LABELS = {

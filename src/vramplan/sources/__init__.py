@@ -7,8 +7,8 @@
 from __future__ import annotations
 
 from vramplan.errors import UserError
+from vramplan.recipe import Recipe
 from vramplan.sources.base import BuiltModel
-from vramplan.workload import Recipe
 
 PREFIXES = ("torchvision", "timm", "hf")
 
@@ -40,4 +40,29 @@ def resolve(spec: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     return build_from_factory(spec, recipe, device)
 
 
-__all__ = ["BuiltModel", "resolve", "PREFIXES"]
+__all__ = ["BuiltModel", "resolve", "model_names", "PREFIXES"]
+
+
+def model_names(source: str) -> list[str]:
+    """Names ``source:NAME`` accepts (``hf``: the bundled configs).
+
+    >>> "gpt2" in model_names("hf")
+    True
+    """
+    if source == "hf":
+        from vramplan.sources.hf import bundled_configs
+
+        return bundled_configs()
+    if source == "torchvision":
+        from vramplan.sources.vision import require_package
+
+        torchvision = require_package("torchvision", "vision")
+        return sorted(
+            torchvision.models.list_models(module=torchvision.models)
+            + torchvision.models.list_models(module=torchvision.models.segmentation)
+        )
+    if source == "timm":
+        from vramplan.sources.vision import require_package
+
+        return sorted(require_package("timm", "timm").list_models())
+    raise UserError(f"unknown source {source!r}; choose one of: hf, torchvision, timm")

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 from vramplan.errors import UserError
+from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel
-from vramplan.workload import Recipe
 
 DEFAULT_SEQ_LEN = 512
 DEFAULT_IMAGE_SIZE = 224

@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from vramplan.errors import UserError
+from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel, classification_loss
 from vramplan.sources.blocks import checkpoint_repeated_blocks
-from vramplan.workload import Recipe
 
 DEFAULT_IMAGE = (3, 224, 224)
 DEFAULT_SEQ_LEN = 512

@@ -13,9 +13,9 @@ import torch
 from torch import nn
 
 from vramplan.errors import UserError
+from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel, image_classifier
 from vramplan.sources.blocks import checkpoint_repeated_blocks, repeated_blocks
-from vramplan.workload import Recipe
 
 _DEFAULT_SIZES = {"inception_v3": 299}
 

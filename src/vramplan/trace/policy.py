@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from vramplan.workload import Recipe
+from vramplan.recipe import Recipe
 
 
 class DevicePolicy(Protocol):

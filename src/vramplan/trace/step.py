@@ -25,16 +25,16 @@ from torch.optim.optimizer import (
 from torch.utils._pytree import tree_flatten, tree_map
 
 from vramplan.optimizers import build_optimizer, optimizer_state_tensors
+from vramplan.recipe import Recipe
 from vramplan.sources.base import BuiltModel
-from vramplan.steps import ITERATIONS, MAX_MICRO_STEPS, run_steps
 from vramplan.trace.categorize import categorize
 from vramplan.trace.errors import explain_failure
 from vramplan.trace.events import Trace
+from vramplan.trace.loop import ITERATIONS, MAX_MICRO_STEPS, run_steps
 from vramplan.trace.materialize import materialize, unique_parameters
 from vramplan.trace.modules import ModuleStack
 from vramplan.trace.policy import DevicePolicy, entered
 from vramplan.trace.recorder import AllocationRecorder, storage_resizes
-from vramplan.workload import Recipe
 
 
 def _tag(recorder: AllocationRecorder, tensors, tag: str) -> None:

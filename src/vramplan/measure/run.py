@@ -19,14 +19,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vramplan.device.catalog import GpuSpec, gpu_from_memory, lookup_gpu
 from vramplan.errors import UserError
+from vramplan.measure.nvml import driver_version, nvml_used_bytes
 from vramplan.optimizers import build_optimizer
+from vramplan.recipe import Recipe
 from vramplan.sources.base import BuiltModel
-from vramplan.steps import run_steps
+from vramplan.trace.loop import run_steps
 from vramplan.trace.materialize import materialize, unique_parameters
 from vramplan.trace.policy import CpuPolicy, CudaPolicy
 from vramplan.trace.step import prepare_model_for
-from vramplan.workload import Recipe
 
 
 @dataclass(frozen=True)
@@ -118,6 +120,15 @@ def _run(
         mark_phase=lambda phase, iteration: clock.mark(phase, iteration, live()),
     )
     clock.mark("forward", steps + 1, live())
+
+
+def local_card() -> GpuSpec:
+    """The catalog card this machine's current CUDA device is, or one of its size."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    try:
+        return lookup_gpu(props.name.replace("NVIDIA ", ""))
+    except UserError:
+        return gpu_from_memory(f"{props.total_memory}B")
 
 
 def check_device(device: str | None, steps: int = 1) -> str:
@@ -237,25 +248,6 @@ def _measure_cpu(built: BuiltModel, recipe: Recipe, steps: int) -> Measurement:
     )
 
 
-def _nvml_used_bytes() -> int | None:
-    """Memory this process holds on the current GPU, as NVML reports it."""
-    try:
-        import os
-
-        import pynvml
-    except ImportError:
-        return None
-    pynvml.nvmlInit()
-    try:
-        handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
-        for process in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-            if process.pid == os.getpid() and process.usedGpuMemory:
-                return int(process.usedGpuMemory)
-        return int(pynvml.nvmlDeviceGetMemoryInfo(handle).used)
-    finally:
-        pynvml.nvmlShutdown()
-
-
 def _measure_cuda(
     built: BuiltModel, recipe: Recipe, steps: int, snapshot: str | None
 ) -> Measurement:
@@ -272,7 +264,7 @@ def _measure_cuda(
         oom = {"phase": clock.phase, "step": clock.iteration, "error": str(exc).splitlines()[0]}
     allocated = torch.cuda.max_memory_allocated()
     reserved = torch.cuda.max_memory_reserved()
-    used = _nvml_used_bytes()
+    used = nvml_used_bytes()
     if snapshot:
         torch.cuda.memory._dump_snapshot(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -294,19 +286,6 @@ def _measure_cuda(
             "total_memory": props.total_memory,
             "cuda": torch.version.cuda or "",
             "torch": torch.__version__,
-            "driver": _driver_version(),
+            "driver": driver_version(),
         },
     )
-
-
-def _driver_version() -> str:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        try:
-            return str(pynvml.nvmlSystemGetDriverVersion())
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # NVML missing or unusable: the version is simply unknown
-        return ""

@@ -1,4 +1,4 @@
-"""Versions of the libraries an estimate depended on, for reproducible reports.
+"""vramplan's own version, and those of the libraries an estimate depended on.
 
 >>> "torch" in library_versions()
 True
@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import importlib.metadata
 import platform
+
+__version__ = "0.1.0"
 
 
 def library_versions() -> dict[str, str]:

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from functools import cache
 from importlib import resources
 
-from vramplan.calibrate import DeviceProfile
-from vramplan.gpus import GpuSpec
+from vramplan.device.catalog import GpuSpec
+from vramplan.device.profile import DeviceProfile
 from vramplan.trace.events import Trace
 
 _MATMULS = {

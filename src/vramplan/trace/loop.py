@@ -13,8 +13,8 @@ from collections.abc import Callable
 
 import torch
 
+from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel
-from vramplan.workload import Recipe
 
 ITERATIONS = 2
 # Micro-steps run per iteration under gradient accumulation: from the second one on,

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from vramplan.estimate import COMPONENTS, ModuleUsage, Peak, TimelinePoint, empty_components
+from vramplan.result import COMPONENTS, ModuleUsage, Peak, TimelinePoint, empty_components
 from vramplan.trace.events import Trace
 
 TIMELINE_POINTS = 400

@@ -56,7 +56,8 @@ class Recipe:
     """Every knob of one training or inference step.
 
     ``input_shape`` is the shape of one sample without the batch dimension
-    (``(3, 224, 224)`` for an image model, ``(512,)`` for token ids); ``None`` means
+    (``(3, 224, 224)`` or ``"3x224x224"`` for an image model, ``(512,)`` for token ids);
+    ``None`` means
     the model's own default, and ``seq_len`` sets the token count of text models.
     """
 
@@ -79,6 +80,8 @@ class Recipe:
             raise UserError(f"batch size must be a positive integer, got {self.batch_size}")
         if self.seq_len is not None and (not isinstance(self.seq_len, int) or self.seq_len <= 0):
             raise UserError(f"sequence length must be a positive integer, got {self.seq_len}")
+        if isinstance(self.input_shape, str):
+            object.__setattr__(self, "input_shape", parse_shape(self.input_shape))
         if self.input_shape is not None:
             shape = tuple(self.input_shape)
             if not shape or any(not isinstance(d, int) or d <= 0 for d in shape):

@@ -1,58 +1,30 @@
 """The device model: replay a trace through the caching allocator, add the runtime, and
 judge the result against a card.
 
-    >>> opts = DeviceOptions(gpu=lookup_gpu("a100-40gb"), headroom=0.10)
-    >>> est = apply_device(estimate, trace, opts)          # doctest: +SKIP
-    >>> est.peak.allocated_bytes <= est.peak.reserved_bytes <= est.peak.device_total_bytes
-    True
+    est = apply_device(estimate, trace, device_options(gpu="a100-40gb"))
+    est.peak.allocated_bytes <= est.peak.reserved_bytes <= est.peak.device_total_bytes
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from vramplan.allocator import AllocatorConfig, Request, replay
-from vramplan.calibrate import DeviceProfile
-from vramplan.errors import UserError
-from vramplan.estimate import Estimate, Verdict
-from vramplan.gpus import GpuSpec, lookup_gpu
-from vramplan.runtime import (
+from vramplan.device.allocator import AllocatorConfig, Request, replay
+from vramplan.device.catalog import GpuSpec
+from vramplan.device.options import DeviceOptions
+from vramplan.device.runtime import (
     conv_workspace_ratio,
     cublas_workspace_bytes,
     cublaslt_workspace_bytes,
     outside_allocator,
     uses_matmul,
 )
-from vramplan.summarize import summarize_trace
+from vramplan.device.verdict import judge
+from vramplan.result import Estimate
 from vramplan.trace.events import Allocation, PhaseMark, Trace
+from vramplan.trace.summary import summarize_trace
 
-DEFAULT_GPU = "A100-80GB"
 SPREAD = 4  # trace indices are spread out so workspaces can be slotted between events
-
-
-@dataclass(frozen=True)
-class DeviceOptions:
-    """How to emulate the device: which card, the allocator settings, the margins."""
-
-    gpu: GpuSpec | None = None
-    headroom: float = 0.10
-    alloc_conf: str | None = None
-    cudnn_benchmark: bool = False
-    data_parallel: int = 1
-    profile: DeviceProfile | None = None
-    """Measured runtime figures (``vramplan calibrate``) that replace the table's."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.headroom < 1.0:
-            raise UserError(f"headroom must be a fraction in [0, 1), got {self.headroom}")
-        if self.data_parallel < 1:
-            raise UserError(f"data-parallel degree must be at least 1, got {self.data_parallel}")
-        AllocatorConfig.parse(self.alloc_conf)  # fail early on a malformed conf
-
-    @property
-    def card(self) -> GpuSpec:
-        """The card to emulate: the chosen one, or the default architecture."""
-        return self.gpu or lookup_gpu(DEFAULT_GPU)
 
 
 def _first_index(trace: Trace, phase: str) -> int | None:
@@ -136,29 +108,6 @@ def requests_of(trace: Trace) -> list[Request]:
         Request(e.allocation.id, e.allocation.nbytes, e.is_alloc, e.allocation.stream)
         for e in trace.events()
     ]
-
-
-def judge(
-    gpu: str, capacity: int, headroom: float, device_total: int, allocator_oom: bool | None = None
-) -> Verdict:
-    """FITS under the headroom line, TIGHT in the headroom, OOM past the card — or when
-    the allocator simulation could not serve the step within the card (``allocator_oom``;
-    ``None`` when it was not run, then the device total alone decides)."""
-    usable = int(capacity * (1.0 - headroom))
-    if allocator_oom or (allocator_oom is None and device_total > capacity):
-        status = "oom"
-    elif device_total > usable:
-        status = "tight"
-    else:
-        status = "fits"
-    return Verdict(
-        gpu=gpu,
-        capacity_bytes=capacity,
-        headroom=headroom,
-        status=status,
-        compared_bytes=device_total,
-        usable_bytes=usable,
-    )
 
 
 def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Estimate:

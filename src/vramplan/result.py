@@ -12,24 +12,47 @@ Bytes are exact integers. ``to_json()`` produces the documented, versioned contr
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from enum import Enum
 from typing import Any, Literal
 
-from vramplan.workload import Recipe
+from vramplan.recipe import Recipe
+from vramplan.version import __version__, library_versions
 
 SCHEMA = "vramplan.estimate/1"
 
-COMPONENTS = (
-    "parameters",
-    "buffers",
-    "gradients",
-    "optimizer_state",
-    "activations",
-    "temporaries",
-    "inputs",
-)
-PHASES = ("setup", "forward", "backward", "optimizer")
+class _Named(str, Enum):
+    """A string-valued enum that prints, formats and serialises as its value."""
 
-Phase = Literal["setup", "forward", "backward", "optimizer"]
+    def __str__(self) -> str:
+        return self.value
+
+
+class Component(_Named):
+    """What a byte at the peak is for (``components`` in the JSON contract)."""
+
+    PARAMETERS = "parameters"
+    BUFFERS = "buffers"
+    GRADIENTS = "gradients"
+    OPTIMIZER_STATE = "optimizer_state"
+    ACTIVATIONS = "activations"
+    TEMPORARIES = "temporaries"
+    INPUTS = "inputs"
+
+
+class Phase(_Named):
+    """Where in the step a byte was allocated.
+
+    >>> f"{Phase.BACKWARD}", Phase.BACKWARD == "backward"
+    ('backward', True)
+    """
+
+    SETUP = "setup"
+    FORWARD = "forward"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+COMPONENTS = tuple(c.value for c in Component)
 Method = Literal["trace", "analytic", "calc", "layers"]
 
 
@@ -193,9 +216,6 @@ class Estimate:
         return replace(self, **changes)
 
     def to_json(self, timeline: bool = True) -> dict[str, Any]:
-        from vramplan import __version__
-        from vramplan.versions import library_versions
-
         data: dict[str, Any] = {
             "schema": SCHEMA,
             "method": self.method,

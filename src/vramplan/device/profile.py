@@ -1,9 +1,6 @@
-"""Calibrate the runtime model on the user's own GPU, and use the result in estimates.
-
-``vramplan calibrate`` runs a few small CUDA operations and measures what no tensor count
-sees — the CUDA context with the kernels a training step loads, and cuBLAS's workspace —
-for this GPU, driver, CUDA and PyTorch, then saves a device profile. Later estimates use
-it with ``--profile PATH``, or by themselves when ``--gpu`` names the same card::
+"""Device profiles: measured runtime figures of one GPU, driver, CUDA and PyTorch
+(``vramplan calibrate`` writes them), kept as JSON files that later estimates read with
+``--profile PATH``, or by themselves when ``--gpu`` names the same card::
 
     >>> profile = DeviceProfile(gpu="A100-80GB", total_bytes=85899345920, driver="550.54",
     ...                         cuda="12.4", torch="2.5.1", cuda_context_bytes=500 * 2**20,
@@ -75,41 +72,3 @@ def profile_for(gpu: str) -> DeviceProfile | None:
     """The saved profile of a catalog card, if ``vramplan calibrate`` made one."""
     path = profile_dir() / _file_name(gpu)
     return load_profile(path) if path.is_file() else None
-
-
-def calibrate_device() -> DeviceProfile:
-    """Measure the current CUDA device (needs a GPU)."""
-    import torch
-
-    from vramplan.gpus import lookup_gpu
-    from vramplan.measure import _driver_version, _nvml_used_bytes
-
-    if not torch.cuda.is_available():
-        raise UserError("calibrate needs a CUDA GPU; none is visible here")
-    torch.cuda.init()
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    before = torch.cuda.memory_allocated()
-    a = torch.randn(256, 256, device="cuda", requires_grad=True)
-    (a @ a).sum().backward()  # loads cuBLAS kernels on this thread and autograd's
-    conv = torch.nn.Conv2d(8, 8, 3).cuda()
-    conv(torch.randn(2, 8, 16, 16, device="cuda")).sum().backward()  # loads cuDNN
-    torch.cuda.synchronize()
-    tensors = a.numel() * 4 * 2 + sum(p.numel() * 4 * 2 for p in conv.parameters())
-    workspace = max(0, torch.cuda.memory_allocated() - before - tensors)
-    used = _nvml_used_bytes()
-    if used is None:
-        raise UserError("calibrate needs NVML: pip install nvidia-ml-py")
-    context = used - torch.cuda.memory_reserved()
-    try:
-        name = lookup_gpu(props.name.replace("NVIDIA ", "")).name
-    except UserError:
-        name = props.name
-    return DeviceProfile(
-        gpu=name,
-        total_bytes=props.total_memory,
-        driver=_driver_version(),
-        cuda=torch.version.cuda or "",
-        torch=torch.__version__,
-        cuda_context_bytes=context,
-        cublas_workspace_bytes=workspace,
-    )

@@ -1,0 +1,53 @@
+"""Put an estimate beside a measurement of the same step: relative errors per figure.
+
+>>> relative_error(110, 100)
+0.1
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramplan.measure.leak import LeakReport
+from vramplan.measure.run import Measurement
+from vramplan.result import Estimate
+
+FIGURES = ("allocated", "reserved", "device_total")
+
+
+def relative_error(estimated: int, measured: int) -> float:
+    """(estimate − measurement) / measurement: negative means under-predicted."""
+    return round((estimated - measured) / measured, 6) if measured else 0.0
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """An estimate, the measurement of the same step, their errors and the leak check."""
+
+    estimate: Estimate
+    measured: Measurement
+    errors: dict[str, float]
+    leak: LeakReport
+
+    def to_json(self) -> dict:
+        return {
+            "schema": "vramplan.measure/1",
+            "estimate": self.estimate.to_json(timeline=False),
+            "measured": self.measured.to_json(),
+            "errors": self.errors,
+            "leak": self.leak.to_json(),
+        }
+
+
+def errors_of(estimate: Estimate, measured: Measurement) -> dict[str, float]:
+    """Relative error of each figure both sides have."""
+    pairs = {
+        "allocated": (estimate.peak.allocated_bytes, measured.allocated_bytes),
+        "reserved": (estimate.peak.reserved_bytes, measured.reserved_bytes),
+        "device_total": (estimate.peak.device_total_bytes, measured.device_total_bytes),
+    }
+    return {
+        name: relative_error(est, real)
+        for name, (est, real) in pairs.items()
+        if est is not None and real
+    }

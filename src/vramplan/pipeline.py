@@ -1,0 +1,132 @@
+"""The pipeline: a built model and a recipe → trace → summary → device model → Estimate.
+
+Nothing else lives here: choosing the card, the layout and what to answer is the
+Session's job (``session.py``)::
+
+    built = resolve("torchvision:resnet18", recipe)
+    est, trace = trace_and_estimate(built, recipe, "cuda", device_options(gpu="t4"))
+    est.peak.allocated_bytes <= est.peak.reserved_bytes
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramplan.device.options import DeviceOptions
+from vramplan.device.replay import apply_device
+from vramplan.optimizers import MODELLED
+from vramplan.recipe import Recipe
+from vramplan.result import Component, Estimate, ModelInfo
+from vramplan.sources import BuiltModel
+from vramplan.trace.events import Trace
+from vramplan.trace.materialize import unique_parameters
+from vramplan.trace.policy import DevicePolicy, policy_for
+from vramplan.trace.step import trace_step_function, trace_training
+from vramplan.trace.summary import summarize_trace
+
+
+def model_info(model: nn.Module, name: str, architecture: str, kind: str) -> ModelInfo:
+    """Parameter and buffer counts of a (meta or fake) model; tied tensors counted once."""
+    params = unique_parameters(model)
+    buffers = {id(b): b for b in model.buffers()}.values()
+    return ModelInfo(
+        name=name,
+        architecture=architecture,
+        kind=kind,
+        parameters=sum(p.numel() for p in params),
+        trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
+        parameter_bytes=sum(p.numel() * p.element_size() for p in params),
+        buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),
+    )
+
+
+def estimate_built(
+    built: BuiltModel,
+    recipe: Recipe,
+    target: str = "cuda",
+    device: DeviceOptions | None = None,
+    engine: Any = None,
+) -> Estimate:
+    """Trace a built model with a recipe, summarise the trace into an Estimate and, for the
+    ``cuda`` target, replay it through the device model (allocator, runtime, verdict).
+    ``engine`` (``distributed.fsdp.Fsdp2``) traces one rank of a sharded run."""
+    return trace_and_estimate(built, recipe, target, device, engine=engine)[0]
+
+
+def trace_and_estimate(
+    built: BuiltModel,
+    recipe: Recipe,
+    target: str = "cuda",
+    device: DeviceOptions | None = None,
+    policy: DevicePolicy | None = None,
+    engine: Any = None,
+) -> tuple[Estimate, Trace]:
+    """``estimate_built`` that also returns the trace (to judge it on other cards)."""
+    device = device or DeviceOptions()
+    policy = policy or policy_for(target, device.card.arch)
+    trace = trace_training(built, recipe, policy, engine)
+    notes = list(trace.notes)
+    if recipe.is_training and recipe.optimizer in MODELLED:
+        notes.append(f"optimizer {recipe.optimizer}: {MODELLED[recipe.optimizer]}")
+    info = model_info(built.model, built.name, built.architecture, built.kind)
+    result = estimate_from_trace(trace, info, recipe, policy.name, notes)
+    if policy.name == "cuda":
+        result = apply_device(result, trace, device)
+    return result, trace
+
+
+def estimate_user_step(
+    step_fn: Callable[[nn.Module, Any, Any], Any],
+    meta_model: nn.Module,
+    batch: Any,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None,
+    recipe: Recipe,
+    iterations: int,
+    label: str,
+    target: str,
+    device: DeviceOptions,
+) -> Estimate:
+    """The user's own ``step_fn`` traced ``iterations`` times on a meta copy of their
+    model, then (for ``cuda``) replayed through the device model."""
+    policy = policy_for(target, device.card.arch)
+    trace = trace_step_function(
+        step_fn, meta_model, batch, optimizer, policy, recipe, iterations, label
+    )
+    info = model_info(meta_model, label, type(meta_model).__name__, "custom")
+    result = estimate_from_trace(trace, info, recipe, policy.name, list(trace.notes))
+    return apply_device(result, trace, device) if policy.name == "cuda" else result
+
+
+def estimate_from_trace(
+    trace: Trace, info: ModelInfo, recipe: Recipe, target: str, notes: list[str]
+) -> Estimate:
+    """Summarise a Trace into a tensor-level Estimate (no device model yet)."""
+    summary = summarize_trace(trace, trace.module_kinds)
+    return Estimate(
+        model=info,
+        recipe=recipe,
+        peak=summary.peak,
+        components=summary.components,
+        method="trace",
+        phase_peaks=summary.phase_peaks,
+        top_modules=summary.top_modules,
+        timeline=summary.timeline,
+        notes=tuple(notes),
+        details={
+            "target": target,
+            "traced_events": trace.event_count,
+            "phase_components": summary.phase_components,
+            "input_bytes": sum(
+                a.nbytes for a in trace.allocations if a.category == Component.INPUTS
+            ),
+            "optimizer_state_bytes": sum(
+                a.nbytes
+                for a in trace.allocations
+                if a.category == Component.OPTIMIZER_STATE and a.free_index is None
+            ),
+        },
+    )

@@ -1,0 +1,91 @@
+"""The whole answer of ``plan``: levers, the first plan that fits, the GPUs each card
+needs, host RAM, and how many GPUs it takes when nothing fits one card.
+
+    answer = answer_plan(bench, Recipe(batch_size=8, seq_len=4096), judge_every_gpu=False,
+                         host=HostOptions(limit_bytes=64 * 2**30))
+    answer.needed.gpus if answer.needed else answer.levers.plan.flags
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vramplan.device.catalog import catalog
+from vramplan.distributed.facts import facts_of
+from vramplan.distributed.needed import GpusNeeded, gpus_needed
+from vramplan.errors import UserError
+from vramplan.plan.bench import Workbench
+from vramplan.plan.fleet import GpuFit, gpus_that_fit
+from vramplan.plan.host import HostMemory, HostOptions, host_memory
+from vramplan.plan.levers import PlanResult, plan_levers
+from vramplan.plan.sharded import traced_answer
+from vramplan.recipe import Recipe
+
+
+@dataclass(frozen=True)
+class PlanAnswer:
+    """What ``vramplan plan`` prints and ``--json`` serialises (``vramplan.plan/1``)."""
+
+    levers: PlanResult
+    fleet: tuple[GpuFit, ...]
+    host: HostMemory
+    traces: int
+    judged_every_gpu: bool
+    needed: GpusNeeded | None = None
+    needed_note: str = ""
+    """With ``needed``: the extra condition (``with --checkpointing full``); without it:
+    why no layout fits."""
+
+    def to_json(self) -> dict:
+        data = self.levers.to_json()
+        data["gpus"] = [row.to_json() for row in self.fleet]
+        data["host"] = self.host.to_json()
+        data["traces"] = self.traces
+        if self.needed is not None:
+            data["gpus_needed"] = {**self.needed.to_json(), "with": self.needed_note}
+        else:
+            data["gpus_needed"] = (
+                {"answer": None, "why": self.needed_note} if self.needed_note else None
+            )
+        return data
+
+
+def answer_plan(
+    bench: Workbench, recipe: Recipe, *, judge_every_gpu: bool, host: HostOptions
+) -> PlanAnswer:
+    """Levers on ``bench``'s card; the GPUs needed when none of them fits; every catalog
+    card (``judge_every_gpu``) or just this one, with the levers that make each fit."""
+    levers = plan_levers(bench, recipe)
+    needed, needed_note = None, ""
+    if not judge_every_gpu and levers.baseline.verdict.status != "fits" and levers.plan is None:
+        needed, needed_note = gpus_needed_for(bench, recipe, host.limit_bytes)
+    options = [*levers.levers, *([levers.plan] if levers.plan else [])]
+    cards = catalog() if judge_every_gpu else (bench.device.card,)
+    fleet = gpus_that_fit(bench, recipe, options, cards)
+    ram = host_memory(
+        levers.baseline, host, levers.baseline.details.get("optimizer_state_bytes")
+    )
+    return PlanAnswer(
+        levers, tuple(fleet), ram, bench.traces, judge_every_gpu, needed, needed_note
+    )
+
+
+def gpus_needed_for(
+    bench: Workbench, recipe: Recipe, host_limit: int | None
+) -> tuple[GpusNeeded | None, str]:
+    """GPUs needed as the recipe stands; failing that, with full checkpointing. An FSDP
+    answer is then traced through FSDP2 itself; offload that overflows ``host_limit`` is
+    not an answer. Returns the answer and its condition, or ``None`` and why."""
+    facts = facts_of(bench.built(recipe))
+    try:
+        answer = gpus_needed(bench.estimate(recipe), facts, host_limit)
+        return traced_answer(bench, answer, recipe), ""
+    except UserError as exc:
+        if recipe.checkpointing == "full" or not recipe.is_training:
+            return None, str(exc)
+    checkpointed = recipe.with_changes(checkpointing="full")
+    try:
+        answer = gpus_needed(bench.estimate(checkpointed), facts, host_limit)
+        return traced_answer(bench, answer, checkpointed), "with --checkpointing full"
+    except UserError as exc:
+        return None, str(exc)

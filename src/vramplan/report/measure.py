@@ -1,0 +1,83 @@
+"""The terminal rendering of ``measure`` (estimate beside measurement, leak check) and its
+table for the HTML report.
+
+    render_comparison(session.measure(batch_size=8, device="cpu"), "binary")
+"""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from vramplan.measure.compare import Comparison
+from vramplan.units import format_bytes
+
+
+def comparison_rows(result: Comparison, units: str) -> list[list[str]]:
+    """Header and rows of estimate vs measurement, for the HTML report."""
+    peak, measured = result.estimate.peak, result.measured
+    rows = [["figure", "estimate", "measured", "error"]]
+    for name, estimate, real in (
+        ("allocated", peak.allocated_bytes, measured.allocated_bytes),
+        ("reserved", peak.reserved_bytes, measured.reserved_bytes),
+        ("device_total", peak.device_total_bytes, measured.device_total_bytes),
+    ):
+        if real is not None and estimate is not None:
+            rows.append(
+                [
+                    name,
+                    format_bytes(estimate, units),
+                    format_bytes(real, units),
+                    f"{result.errors.get(name, 0.0):+.1%}",
+                ]
+            )
+    return rows
+
+
+def render_comparison(result: Comparison, units: str) -> None:
+    fmt = lambda n: format_bytes(n, units) if n is not None else "-"  # noqa: E731
+    console = Console()
+    measured, est = result.measured, result.estimate
+    console.print(f"[bold]{est.model.name}[/bold] on {measured.device}, {measured.steps} steps")
+    table = Table(title="Estimate vs measurement", title_justify="left")
+    for column in ("figure", "estimate", "measured", "error"):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    rows = [
+        ("allocated (peak)", est.peak.allocated_bytes, measured.allocated_bytes),
+        ("reserved (peak)", est.peak.reserved_bytes, measured.reserved_bytes),
+        ("device total", est.peak.device_total_bytes, measured.device_total_bytes),
+    ]
+    names = dict(
+        zip(
+            ("allocated (peak)", "reserved (peak)", "device total"),
+            ("allocated", "reserved", "device_total"),
+            strict=True,
+        )
+    )
+    for label, estimate, real in rows:
+        if real is None:
+            continue
+        error = result.errors.get(names[label])
+        table.add_row(
+            label, fmt(estimate), fmt(real), f"{error:+.1%}" if error is not None else "-"
+        )
+    console.print(table)
+    if measured.oom:
+        console.print(
+            f"[bold red]out of memory[/bold red] in {measured.oom['phase']} of step "
+            f"{measured.oom['step']}: {measured.oom['error']}"
+        )
+    leak = result.leak
+    after = ", ".join(fmt(v) for v in leak.after_step_bytes)
+    verdict = (
+        "[bold red]LEAK[/bold red]: memory grows by "
+        f"{fmt(leak.bytes_per_step)} per step after the optimizer state exists"
+        if leak.leaking
+        else "no leak: memory is flat once the optimizer state exists"
+    )
+    console.print(f"Live memory after each step: {after} — {verdict}")
+    if measured.snapshot:
+        console.print(
+            f"Snapshot written to {measured.snapshot} (open it at pytorch.org/memory_viz)"
+        )
+    console.print(f"[dim]Sizes in {units} units.[/dim]")

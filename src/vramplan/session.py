@@ -1,0 +1,236 @@
+"""The front door: one model on one device setting, answering estimate, max batch, plan
+and measure. Every CLI command and every convenience function goes through it, so a
+notebook gets exactly what the command line prints::
+
+    >>> s = Session("torchvision:resnet18", gpu="t4")            # doctest: +SKIP
+    >>> s.estimate(batch_size=64).verdict.status                # doctest: +SKIP
+    'fits'
+    >>> s.max_batch(input_shape="3x224x224").value              # doctest: +SKIP
+    410
+    >>> s.plan(batch_size=512).levers.plan.flags                # doctest: +SKIP
+    '--precision amp-bf16 --checkpointing 4'
+
+Traces are cached per recipe, so asking again (or planning after estimating) reuses them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramplan.device.catalog import lookup_gpu
+from vramplan.device.options import DEFAULT_GPU, device_options
+from vramplan.device.profile import profile_for
+from vramplan.distributed.facts import facts_of
+from vramplan.distributed.fsdp import engine_for, with_traced_layout
+from vramplan.distributed.layout import ParallelLayout, check_layout, per_rank
+from vramplan.errors import UserError
+from vramplan.measure.compare import Comparison, errors_of
+from vramplan.measure.leak import check_leak
+from vramplan.measure.run import check_device, local_card, measure_built
+from vramplan.pipeline import estimate_built
+from vramplan.plan.answer import PlanAnswer, answer_plan
+from vramplan.plan.bench import Workbench
+from vramplan.plan.host import HostOptions
+from vramplan.plan.search import SearchResult, largest_fitting
+from vramplan.recipe import Recipe
+from vramplan.result import Estimate
+from vramplan.sources import BuiltModel, resolve
+from vramplan.sources.user_code import module_source
+from vramplan.units import parse_bytes
+
+TARGETS = ("cuda", "cpu")
+FRAMEWORKS = ("pytorch", "tensorflow")
+SEARCHES = {"batch_size": "batch_size", "batch-size": "batch_size",
+            "seq_len": "seq_len", "seq-len": "seq_len"}
+TENSORFLOW_NOTE = (
+    "TensorFlow reserves nearly the whole card at start-up unless memory growth is on "
+    "(tf.config.experimental.set_memory_growth); nvidia-smi then shows the card as full "
+    "whatever the model needs. This estimate is the PyTorch step's memory."
+)
+
+
+class Session:
+    """A model (a source name such as ``hf:gpt2``, or an ``nn.Module`` with its example
+    batch and loss) judged on one device setting: a catalog card (``gpu``) or a size
+    (``gpu_memory="24GiB"``), the headroom kept free, ``PYTORCH_CUDA_ALLOC_CONF``
+    (``alloc_conf``), cuDNN benchmark mode, and a measured device ``profile``.
+
+    ``target="cpu"`` traces what the CPU itself does instead of emulating a CUDA GPU.
+    """
+
+    def __init__(
+        self,
+        model: str | nn.Module,
+        *,
+        gpu: str | None = None,
+        gpu_memory: str | None = None,
+        headroom: float = 0.10,
+        alloc_conf: str | None = None,
+        cudnn_benchmark: bool = False,
+        profile: str | None = None,
+        target: str = "cuda",
+        framework: str = "pytorch",
+        example_batch: Any = None,
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+    ) -> None:
+        if target not in TARGETS:
+            raise UserError(f"unknown target {target!r}; choose cuda or cpu")
+        if framework not in FRAMEWORKS:
+            raise UserError(f"unknown framework {framework!r}; choose pytorch or tensorflow")
+        self.model = model
+        self.name = model if isinstance(model, str) else type(model).__name__
+        self.target = target
+        self.framework = framework
+        self.device = device_options(
+            gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark, profile=profile
+        )
+        self._example_batch = example_batch
+        self._loss_fn = loss_fn
+        self._bench: Workbench | None = None
+
+    # -- the questions -------------------------------------------------------------------
+
+    def estimate(
+        self,
+        recipe: Recipe | None = None,
+        *,
+        layout: ParallelLayout | None = None,
+        **knobs: Any,
+    ) -> Estimate:
+        """One step traced and judged: ``recipe`` or its knobs (``batch_size=8``,
+        ``seq_len=512``, ``precision="amp-bf16"``, ...). With a ``layout``, per-rank figures:
+        FSDP traced through FSDP2 on a fake process group, ZeRO/TP/PP by formula."""
+        recipe = _recipe(recipe, knobs)
+        layout = layout or ParallelLayout()
+        if layout == ParallelLayout():
+            result = self._single(recipe)
+        else:
+            result = self._per_rank(recipe, layout)
+        if self.framework == "tensorflow":
+            result = result.with_changes(notes=(*result.notes, TENSORFLOW_NOTE))
+        return result
+
+    def max_batch(
+        self, recipe: Recipe | None = None, *, search: str = "batch_size", **knobs: Any
+    ) -> SearchResult:
+        """The largest batch (``search="seq_len"``: the longest context) that fits the card
+        with headroom, confirmed by tracing N (fits) and N + 1 (does not)."""
+        knob = SEARCHES.get(search)
+        if knob is None:
+            raise UserError(f"unknown search {search!r}; choose batch-size or seq-len")
+        recipe = _recipe(recipe, knobs)
+        start = recipe.seq_len if knob == "seq_len" else None
+        return largest_fitting(self._workbench(), recipe, knob, start=start)
+
+    def plan(
+        self,
+        recipe: Recipe | None = None,
+        *,
+        host_memory: str | int | None = None,
+        workers: int = 4,
+        offload_optimizer: bool = False,
+        **knobs: Any,
+    ) -> PlanAnswer:
+        """The levers, each traced, the first plan that fits, host RAM, and the GPUs needed
+        when nothing fits one card. Without a card, every catalog GPU is judged."""
+        recipe = _recipe(recipe, knobs)
+        limit = (
+            parse_bytes(host_memory, "host memory")
+            if isinstance(host_memory, str)
+            else host_memory
+        )
+        host = HostOptions(workers=workers, limit_bytes=limit, offload_optimizer=offload_optimizer)
+        every_gpu = self.device.gpu is None
+        bench = self._workbench(DEFAULT_GPU if every_gpu else None)
+        return answer_plan(bench, recipe, judge_every_gpu=every_gpu, host=host)
+
+    def measure(
+        self,
+        recipe: Recipe | None = None,
+        *,
+        device: str | None = None,
+        steps: int = 3,
+        snapshot: str | None = None,
+        **knobs: Any,
+    ) -> Comparison:
+        """Run ``steps`` real steps (random weights, never downloaded) on ``device``
+        (``cuda`` when present, else ``cpu``) and put the estimate for that device beside
+        the measurement, with relative errors and a leak check."""
+        recipe = _recipe(recipe, knobs)
+        if isinstance(self.model, nn.Module):
+            raise UserError("measure runs a model by its source name; an nn.Module's own "
+                            "weights would be trained")
+        device = check_device(device, steps)
+        if device == "cuda":
+            card = local_card()
+            options = replace(
+                self.device, gpu=card, profile=self.device.profile or profile_for(card.name)
+            )
+            estimate = estimate_built(self._build(recipe), recipe, "cuda", options)
+        else:
+            estimate = estimate_built(self._build(recipe), recipe, "cpu")
+        measured = measure_built(self._build(recipe, device), recipe, device, steps, snapshot)
+        return Comparison(
+            estimate,
+            measured,
+            errors_of(estimate, measured),
+            check_leak(measured.after_step_bytes),
+        )
+
+    def batch_curve_points(self, estimate: Estimate, layout: ParallelLayout | None = None):
+        """A callable ``batch → Estimate`` at ``estimate``'s other knobs (for the HTML
+        report's batch curve)."""
+        return lambda batch: self.estimate(
+            estimate.recipe.with_changes(batch_size=batch), layout=layout
+        )
+
+    # -- the machinery -------------------------------------------------------------------
+
+    def _build(self, recipe: Recipe, device: str = "meta") -> BuiltModel:
+        if isinstance(self.model, nn.Module):
+            return module_source(
+                self.model, recipe, self.name, self._example_batch, self._loss_fn
+            )
+        return resolve(self.model, recipe, device)
+
+    def _workbench(self, default_gpu: str | None = None) -> Workbench:
+        """The trace cache on this session's card (or on ``default_gpu`` when none)."""
+        if default_gpu is not None and self.device.gpu is None:
+            options = replace(self.device, gpu=lookup_gpu(default_gpu))
+            return Workbench(self.name, options, lambda _name, r: self._build(r))
+        if self._bench is None:
+            self._bench = Workbench(self.name, self.device, lambda _name, r: self._build(r))
+        return self._bench
+
+    def _single(self, recipe: Recipe) -> Estimate:
+        if self.target == "cuda" and self.device.gpu is not None:
+            return self._workbench().estimate(recipe)
+        return estimate_built(self._build(recipe), recipe, self.target, self.device)
+
+    def _per_rank(self, recipe: Recipe, layout: ParallelLayout) -> Estimate:
+        engine = engine_for(layout)
+        device = replace(self.device, data_parallel=layout.data_parallel if engine else 1)
+        built = self._build(recipe)
+        facts = facts_of(built)
+        check_layout(layout, facts)
+        result = estimate_built(built, recipe, self.target, device, engine=engine)
+        if engine is not None:
+            return with_traced_layout(result, layout)
+        return per_rank(result, layout, facts)
+
+
+def _recipe(recipe: Recipe | None, knobs: dict[str, Any]) -> Recipe:
+    """``recipe``, or one made from knobs (a UserError for a bad value or for both)."""
+    if recipe is not None and knobs:
+        raise UserError("give a Recipe or recipe knobs, not both")
+    if recipe is not None:
+        return recipe
+    unknown = sorted(set(knobs) - set(Recipe.__dataclass_fields__))
+    if unknown:
+        raise UserError(f"unknown recipe knob {unknown[0]!r}")
+    return Recipe(**knobs)
