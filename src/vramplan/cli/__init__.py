@@ -18,20 +18,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
     from click import exceptions as click_exceptions
 
 from vramplan import UserError
-
-app = typer.Typer(
-    name="vramplan",
-    help="Predict the GPU memory of a training or inference step before you launch it.",
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    add_completion=False,
-)
-
-
-@app.callback()
-def _root() -> None:
-    """Predict the GPU memory of a training or inference step before you launch it."""
-
+from vramplan.cli.app import app
 
 EXIT_USER_ERROR = 2
 

@@ -13,7 +13,7 @@ from typing import Annotated
 import typer
 
 import vramplan
-from vramplan.cli import app
+from vramplan.cli.app import app
 from vramplan.cli.options import JsonOpt
 
 

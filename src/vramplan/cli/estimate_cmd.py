@@ -6,7 +6,7 @@ $ vramplan estimate torchvision:resnet50 --batch-size 64 --gpu a100
 from __future__ import annotations
 
 import vramplan
-from vramplan.cli import app
+from vramplan.cli.app import app
 from vramplan.cli.options import (
     AllocConfOpt,
     BatchSize,

@@ -6,7 +6,7 @@ $ vramplan gpus
 from __future__ import annotations
 
 import vramplan
-from vramplan.cli import app
+from vramplan.cli.app import app
 from vramplan.cli.options import JsonOpt, UnitsOpt
 from vramplan.report.catalog import gpus_json, render_gpus
 from vramplan.report.render import check_units, print_json

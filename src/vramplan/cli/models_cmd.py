@@ -12,7 +12,7 @@ from typing import Annotated
 import typer
 
 import vramplan
-from vramplan.cli import app
+from vramplan.cli.app import app
 
 
 @app.command("models")
