@@ -20,14 +20,18 @@ One file per GPU and stack, ``<gpu-slug>-<stack-slug>.json``, e.g.
         {"pass": "forward", "dtype": "float32", "memory_format": "contiguous",
          "input": [32, 3, 224, 224], "weight": [64, 3, 7, 7], "stride": [2, 2],
          "padding": [3, 3], "dilation": [1, 1], "groups": 1, "benchmark": false,
-         "workspace_bytes": 0, "reserved_growth_bytes": 0, "cache_emptied": false}
+         "workspace_bytes": 0, "reserved_growth_bytes": 0, "cache_emptied": false,
+         "cached_workspace_bytes": 0}
       ]
     }
 
+Each conv record is the FIRST call of a configuration in a fresh process:
 ``workspace_bytes`` is the largest allocation the call made and freed before returning (the
-size cuDNN requested); ``reserved_growth_bytes`` is the peak of ``memory_reserved()`` during
-the call minus its value before; ``cache_emptied`` says the call released cached segments
-(``torch.backends.cudnn.benchmark=True`` empties the cache after its search).
+size cuDNN requested; with ``benchmark=True`` that is the search's largest candidate
+workspace); ``reserved_growth_bytes`` is the peak of ``memory_reserved()`` during the call
+minus its value before; ``cache_emptied`` says the call released cached segments
+(``benchmark=True`` empties the cache after its search). The optional
+``cached_workspace_bytes`` is the second, cached call's workspace (every later iteration).
 
     >>> slug("NVIDIA H100 80GB HBM3")
     'nvidia-h100-80gb-hbm3'
@@ -182,6 +186,8 @@ def _problem(data) -> str | None:
                 return f"{where}.{key} should be {length} integers"
         if record["workspace_bytes"] < 0:
             return f"{where}.workspace_bytes is negative"
+        if not _bytes_or_none(record.get("cached_workspace_bytes")):
+            return f"{where}.cached_workspace_bytes should be a byte count or null"
     return None
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import subprocess
 
-SMI_FIELDS = ("memory.used", "memory.total", "memory.reserved")
+SMI_FIELDS = ("driver_version", "memory.used", "memory.total", "memory.reserved")
 
 
 def _field(info, name: str) -> int | None:
@@ -55,7 +55,7 @@ def parse_smi(text: str, fields: tuple[str, ...]) -> list[dict]:
         row = {}
         for name, cell in zip(fields, cells, strict=True):
             try:
-                row[name] = int(float(cell))
+                row[name] = int(cell)
             except ValueError:
                 row[name] = None if cell.startswith(("[", "Not")) else cell
         rows.append(row)
@@ -65,7 +65,7 @@ def parse_smi(text: str, fields: tuple[str, ...]) -> list[dict]:
 def query_smi(index: int = 0) -> dict:
     """nvidia-smi's memory view of GPU ``index``, without ``memory.reserved`` when this
     nvidia-smi does not know that field."""
-    for fields in (SMI_FIELDS, SMI_FIELDS[:2]):
+    for fields in (SMI_FIELDS, SMI_FIELDS[:3]):
         command = [
             "nvidia-smi",
             f"--id={index}",
