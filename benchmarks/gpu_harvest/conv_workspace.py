@@ -117,12 +117,17 @@ def run(plan: list[dict], benchmark: bool, out: Path, budget_s: float) -> dict:
     torch.cuda.init()
     torch.backends.cudnn.benchmark = benchmark
     deadline = time.monotonic() + budget_s
-    done = records = 0
+    done = records = errors = 0
     with out.open("a") as handle:
         for case in plan:
             if time.monotonic() > deadline:
                 break
-            for record in measure_case(case, benchmark):
+            try:
+                found = measure_case(case, benchmark)
+            except RuntimeError as exc:  # e.g. no cuDNN engine for this case: note it, go on
+                found = [{**case, "benchmark": benchmark, "error": str(exc).splitlines()[0]}]
+                errors += 1
+            for record in found:
                 handle.write(json.dumps(record) + "\n")
                 records += 1
             handle.flush()
@@ -132,6 +137,7 @@ def run(plan: list[dict], benchmark: bool, out: Path, budget_s: float) -> dict:
         "cases_planned": len(plan),
         "cases_done": done,
         "records": records,
+        "errors": errors,
         "cudnn": {
             "version": torch.backends.cudnn.version(),
             "enabled": torch.backends.cudnn.enabled,
