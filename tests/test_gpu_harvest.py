@@ -442,3 +442,38 @@ def test_command_refuses_cleanly_without_a_gpu():
     assert len(lines) == 1 and "CUDA GPU" in lines[0]
     assert "Traceback" not in done.stderr
     assert not list(Path(ROOT, "src", "vramplan", "data").glob("measured/*.json"))
+
+
+def test_measure_case_records_every_pass_twice_with_stubbed_recording(monkeypatch):
+    """The conv child's bookkeeping, with the allocator recording replaced by a stub that
+    reports one 3 MiB workspace per call (the real one needs a GPU)."""
+    from functools import partial
+
+    from benchmarks.gpu_harvest import conv_workspace, recording
+    from benchmarks.gpu_harvest.snapshot import attribute
+
+    def fake_record_call(call, frames=False):
+        result = call()
+        events = [
+            {"action": "alloc", "addr": 1, "size": 3 * MiB, "stream": 0},
+            {"action": "free_requested", "addr": 1, "size": 3 * MiB, "stream": 0},
+        ]
+        facts = {"window": attribute(events), "events": events, "peak_reserved_growth": 4 * MiB,
+                 "peak_allocated_growth": 3 * MiB, "oom": None, "seconds": 0.0,
+                 "wrapped": False}  # fmt: skip
+        return result, facts
+
+    monkeypatch.setattr(recording, "record_call", fake_record_call)
+    monkeypatch.setattr(
+        conv_workspace, "make_tensors", partial(conv_workspace.make_tensors, device="cpu")
+    )
+    [case] = plan_cases(unique_configs(conv_configs("resnet18", 1, (3, 32, 32)))[:1])
+    records = conv_workspace.measure_case(case, benchmark=True)
+    assert [(r["pass"], r["call"]) for r in records] == [
+        (p, c) for p in ("forward", "backward_data", "backward_filter") for c in (1, 2)
+    ]
+    data = assemble.conv_records(records)
+    assert len(data) == 3
+    assert all(r["workspace_bytes"] == 3 * MiB and r["cached_workspace_bytes"] == 3 * MiB
+               for r in data)  # fmt: skip
+    json.dumps(records)  # every record is plain JSON
