@@ -13,6 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # plain `pytest` runs too
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 from benchmarks.gpu_harvest import assemble, cublas, report
 from benchmarks.gpu_harvest.child import ROOT, run_child
 from benchmarks.gpu_harvest.conv_shapes import (
