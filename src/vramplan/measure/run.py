@@ -128,7 +128,9 @@ def local_card() -> GpuSpec:
     try:
         return lookup_gpu(props.name.replace("NVIDIA ", ""))
     except UserError:
-        return gpu_from_memory(f"{props.total_memory}B")
+        arch = props.gcnArchName.split(":")[0] if torch.version.hip else (
+            f"sm{props.major}{props.minor}")
+        return gpu_from_memory(f"{props.total_memory}B", arch=arch)
 
 
 def check_device(device: str | None, steps: int = 1) -> str:

@@ -100,9 +100,7 @@ def step_flops(bench: Workbench, recipe: Recipe) -> int:
 
 
 def _mixed_precision(bench: Workbench) -> str:
-    gpu = bench.device.card
-    bf16 = gpu.vendor == "amd" or gpu.arch >= "sm80" and len(gpu.arch) >= 4
-    return "amp-bf16" if bf16 else "amp-fp16"
+    return "amp-bf16" if bench.device.card.supports_bf16 else "amp-fp16"
 
 
 def _candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]]:
