@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -92,7 +93,8 @@ def test_json_contract(capsys, tiny_gpt2):
 def test_file_factory_and_terminal_output(capsys, model_file):
     code, out, err = run_cli(capsys, "estimate", f"{model_file}:make", "--batch-size", "8")
     assert code == 0, err
-    assert "Peak allocated" in out and "MiB" in out or "KiB" in out
+    # the peak line gives a binary-unit size and the exact bytes: "2.0 MiB (2,115,584 bytes)"
+    assert re.search(r"^Peak allocated: [\d.]+ (KiB|MiB) \([\d,]+ bytes\)", out, re.M), out
     code, out, _ = run_cli(capsys, "estimate", f"{model_file}:make", "--units", "decimal")
     assert code == 0 and " kB" in out and "decimal units" in out
 
