@@ -6,7 +6,6 @@ import pytest
 import torch
 
 from vramplan.cli import main
-from vramplan.trace.policy import CpuPolicy, CudaPolicy
 
 
 def run_cli(capsys, *args: str) -> tuple[int, str, str]:
@@ -17,16 +16,6 @@ def run_cli(capsys, *args: str) -> tuple[int, str, str]:
         code = exc.code
     out, err = capsys.readouterr()
     return code, out, err
-
-
-@pytest.fixture
-def cpu_policy() -> CpuPolicy:
-    return CpuPolicy()
-
-
-@pytest.fixture
-def cuda_policy() -> CudaPolicy:
-    return CudaPolicy()
 
 
 @pytest.fixture(autouse=True)

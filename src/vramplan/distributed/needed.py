@@ -51,23 +51,6 @@ class GpusNeeded:
         }
 
 
-def _layouts(gpus: int, facts: ModelFacts) -> list[ParallelLayout]:
-    """Candidate layouts on ``gpus`` GPUs: data parallelism alone, least communication
-    first, then tensor parallelism with sequence parallelism inside a node (up to 8)."""
-    found = []
-    for tp in (1, 2, 4, 8):
-        if gpus % tp or (facts.heads and facts.heads % tp):
-            continue
-        for strategy in STRATEGIES:
-            dp = gpus // tp
-            if dp == 1 and strategy.shard != "none":
-                continue
-            found.append(ParallelLayout(shard=strategy.shard, data_parallel=dp,
-                                        tensor_parallel=tp, sequence_parallel=tp > 1,
-                                        offload_optimizer=strategy.offload_optimizer))
-    return found
-
-
 def gpus_needed(
     estimate: Estimate, facts: ModelFacts, host_limit: int | None = None
 ) -> GpusNeeded:
