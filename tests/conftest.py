@@ -1,32 +1,64 @@
-"""Shared fixtures: small models whose real CPU runs are the ground truth."""
+"""Shared fixtures: the command line in-process, a tiny GPT-2 config, a fixed seed."""
 
 from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
 
 from vramplan.cli import main
-from vramplan.trace.policy import CpuPolicy, CudaPolicy
+
+# Two blocks of width 32 over a 512-token vocabulary: builds and traces in well under a
+# second, and its parameter count is easy to write out by hand.
+TINY_GPT2 = {
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "vocab_size": 512,
+    "n_positions": 64,
+    "n_embd": 32,
+    "n_layer": 2,
+    "n_head": 2,
+}
+NO_DROPOUT = {"attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}
 
 
-def run_cli(capsys, *args: str) -> tuple[int, str, str]:
-    """Run ``vramplan ARGS`` in-process: (exit code, stdout, stderr)."""
-    try:
-        code = main(list(args))
-    except SystemExit as exc:
-        code = exc.code
-    out, err = capsys.readouterr()
-    return code, out, err
+@pytest.fixture(scope="session")
+def gpt2_config(tmp_path_factory) -> Callable[..., Path]:
+    """``gpt2_config(**overrides)`` writes the tiny GPT-2 config with ``overrides`` (use
+    ``no_dropout=True`` for a deterministic attention kernel choice) to a fresh folder and
+    returns the config.json's path; ``hf:PATH`` names the model."""
+
+    def write(no_dropout: bool = False, **overrides) -> Path:
+        path = tmp_path_factory.mktemp("gpt2") / "config.json"
+        path.write_text(json.dumps({**TINY_GPT2, **(NO_DROPOUT if no_dropout else {}),
+                                    **overrides}))
+        return path
+
+    return write
 
 
 @pytest.fixture
-def cpu_policy() -> CpuPolicy:
-    return CpuPolicy()
+def tiny_gpt2_config(gpt2_config) -> Path:
+    """The tiny GPT-2 config.json as written by ``gpt2_config()``."""
+    return gpt2_config()
 
 
 @pytest.fixture
-def cuda_policy() -> CudaPolicy:
-    return CudaPolicy()
+def run_cli(capsys) -> Callable[..., tuple[int, str, str]]:
+    """``run_cli(*args)`` runs ``vramplan ARGS`` in-process: (exit code, stdout, stderr)."""
+
+    def run(*args: str) -> tuple[int, str, str]:
+        try:
+            code = main(list(args))
+        except SystemExit as exc:
+            code = exc.code
+        out, err = capsys.readouterr()
+        return code, out, err
+
+    return run
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_cli
 from torch import nn
 
 import vramplan
@@ -32,9 +31,8 @@ VGG = Path(__file__).resolve().parents[1] / "examples" / "vgg16.yaml"
 
 
 
-def test_calc_classic_example_exactly(capsys):
+def test_calc_classic_example_exactly(run_cli):
     code, out, _ = run_cli(
-        capsys,
         "calc",
         "--params",
         "20M",
@@ -56,9 +54,8 @@ def test_calc_classic_example_exactly(capsys):
     assert data["components"]["activations"] == 128_000_000
 
 
-def test_adam_state_of_7b_fp32_is_56_gb(capsys):
+def test_adam_state_of_7b_fp32_is_56_gb(run_cli):
     code, out, _ = run_cli(
-        capsys,
         "calc",
         "--params",
         "7B",
@@ -75,9 +72,8 @@ def test_adam_state_of_7b_fp32_is_56_gb(capsys):
     assert json.loads(out)["components"]["optimizer_state"] == 56_000_000_000
 
 
-def test_stack_exchange_cs231n_example(capsys):
+def test_stack_exchange_cs231n_example(run_cli):
     code, out, _ = run_cli(
-        capsys,
         "calc",
         "--params",
         "19072984",
@@ -143,13 +139,13 @@ def test_vgg16_walkthrough_matches_cs231n_rows():
     assert estimate.details["activation_values_per_sample"] == sum(values) == 15_237_608
 
 
-def test_layers_default_method_explains_the_difference(capsys):
+def test_layers_default_method_explains_the_difference(run_cli):
     code, out, _ = run_cli(
-        capsys, "layers", str(VGG), "--batch-size", "8", "--optimizer", "sgd", "--json"
+        "layers", str(VGG), "--batch-size", "8", "--optimizer", "sgd", "--json"
     )
     default = json.loads(out)
     code, out, _ = run_cli(
-        capsys, "layers", str(VGG), "--batch-size", "8", "--method", "cs231n", "--json"
+        "layers", str(VGG), "--batch-size", "8", "--method", "cs231n", "--json"
     )
     classic = json.loads(out)
     assert default["components"]["optimizer_state"] == 0  # plain SGD keeps no state
@@ -170,17 +166,17 @@ def test_layers_default_method_explains_the_difference(capsys):
         ({"layers": []}, "needs an 'input' shape"),
     ],
 )
-def test_bad_layer_specs(capsys, tmp_path, spec, message):
+def test_bad_layer_specs(run_cli, tmp_path, spec, message):
     path = tmp_path / "spec.json"
     path.write_text(json.dumps(spec))
-    code, _, err = run_cli(capsys, "layers", str(path))
+    code, _, err = run_cli("layers", str(path))
     assert code == 2 and message in err and len(err.strip().splitlines()) == 1
 
 
-def test_malformed_yaml(capsys, tmp_path):
+def test_malformed_yaml(run_cli, tmp_path):
     path = tmp_path / "spec.yaml"
     path.write_text("input: [3, 8\nlayers: -")
-    code, _, err = run_cli(capsys, "layers", str(path))
+    code, _, err = run_cli("layers", str(path))
     assert code == 2 and "malformed layer spec" in err
 
 
@@ -288,22 +284,21 @@ def test_formula_against_trace_gpt2_misses_the_python_gelu(tmp_path):
     assert 0.4 * peak <= formula.peak.allocated_bytes <= 0.8 * peak
 
 
-def test_llm_command_and_bad_input(capsys):
-    code, out, _ = run_cli(capsys, "llm", "hf:meta-llama-3-8b", "--seq-len", "2048", "--json")
+def test_llm_command_and_bad_input(run_cli):
+    code, out, _ = run_cli("llm", "hf:meta-llama-3-8b", "--seq-len", "2048", "--json")
     data = json.loads(out)
     assert code == 0 and data["method"] == "analytic"
     assert data["model"]["parameters"] == 8_030_261_248
-    code, _, err = run_cli(capsys, "llm", "hf:bert-base-uncased")
+    code, _, err = run_cli("llm", "hf:bert-base-uncased")
     assert code == 2 and "decoder-only" in err
-    code, _, err = run_cli(capsys, "llm", "hf:meta-llama-3-8b", "--tp", "3")
+    code, _, err = run_cli("llm", "hf:meta-llama-3-8b", "--tp", "3")
     assert code == 2 and "must divide" in err
-    code, _, err = run_cli(capsys, "calc", "--params", "-5")
+    code, _, err = run_cli("calc", "--params", "-5")
     assert code == 2 and "must not be negative" in err
 
 
-def test_qlora_keeps_a_4bit_base_and_trains_only_adapters(capsys):
+def test_qlora_keeps_a_4bit_base_and_trains_only_adapters(run_cli):
     code, out, _ = run_cli(
-        capsys,
         "llm",
         "hf:meta-llama-3-8b",
         "--lora-rank",

@@ -3,27 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
 import pytest
-from conftest import run_cli
-
-
-@pytest.fixture
-def tiny_gpt2(tmp_path):
-    config = {
-        "model_type": "gpt2",
-        "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": 512,
-        "n_positions": 64,
-        "n_embd": 32,
-        "n_layer": 2,
-        "n_head": 2,
-    }
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    return path
 
 
 @pytest.fixture
@@ -49,11 +33,10 @@ def model_file(tmp_path):
     return path
 
 
-def test_json_contract(capsys, tiny_gpt2):
+def test_json_contract(run_cli, tiny_gpt2_config):
     code, out, _ = run_cli(
-        capsys,
         "estimate",
-        f"hf:{tiny_gpt2}",
+        f"hf:{tiny_gpt2_config}",
         "--seq-len",
         "32",
         "--batch-size",
@@ -89,11 +72,12 @@ def test_json_contract(capsys, tiny_gpt2):
     }
 
 
-def test_file_factory_and_terminal_output(capsys, model_file):
-    code, out, err = run_cli(capsys, "estimate", f"{model_file}:make", "--batch-size", "8")
+def test_file_factory_and_terminal_output(run_cli, model_file):
+    code, out, err = run_cli("estimate", f"{model_file}:make", "--batch-size", "8")
     assert code == 0, err
-    assert "Peak allocated" in out and "MiB" in out or "KiB" in out
-    code, out, _ = run_cli(capsys, "estimate", f"{model_file}:make", "--units", "decimal")
+    # the peak line gives a binary-unit size and the exact bytes: "2.0 MiB (2,115,584 bytes)"
+    assert re.search(r"^Peak allocated: [\d.]+ (KiB|MiB) \([\d,]+ bytes\)", out, re.M), out
+    code, out, _ = run_cli("estimate", f"{model_file}:make", "--units", "decimal")
     assert code == 0 and " kB" in out and "decimal units" in out
 
 
@@ -120,9 +104,9 @@ def test_file_factory_and_terminal_output(capsys, model_file):
         (["{model_file}:make", "--no-such-flag"], "No such option"),
     ],
 )
-def test_bad_input_is_one_line_and_exit_2(capsys, model_file, args, expected):
+def test_bad_input_is_one_line_and_exit_2(run_cli, model_file, args, expected):
     args = [a.replace("{model_file}", str(model_file)) for a in args]
-    code, out, err = run_cli(capsys, "estimate", *args)
+    code, out, err = run_cli("estimate", *args)
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1, err
@@ -130,16 +114,16 @@ def test_bad_input_is_one_line_and_exit_2(capsys, model_file, args, expected):
     assert "Traceback" not in err
 
 
-def test_malformed_config_json(capsys, tmp_path):
+def test_malformed_config_json(run_cli, tmp_path):
     path = tmp_path / "config.json"
     path.write_text("{ not json")
-    code, _, err = run_cli(capsys, "estimate", f"hf:{path}")
+    code, _, err = run_cli("estimate", f"hf:{path}")
     assert code == 2 and "malformed config JSON" in err
     assert path.read_text() == "{ not json"  # the user's file is untouched
 
 
-def test_seq_len_beyond_learned_positions(capsys, tiny_gpt2):
-    code, _, err = run_cli(capsys, "estimate", f"hf:{tiny_gpt2}", "--seq-len", "65")
+def test_seq_len_beyond_learned_positions(run_cli, tiny_gpt2_config):
+    code, _, err = run_cli("estimate", f"hf:{tiny_gpt2_config}", "--seq-len", "65")
     assert code == 2 and "64 learned positions" in err
 
 
@@ -155,10 +139,10 @@ def test_installed_script_reports_errors_without_traceback(tmp_path):
     assert "Traceback" not in result.stderr
 
 
-def test_models_lists_bundled_configs(capsys):
-    code, out, _ = run_cli(capsys, "models", "hf")
+def test_models_lists_bundled_configs(run_cli):
+    code, out, _ = run_cli("models", "hf")
     assert code == 0
     listed = out.split()
     assert "hf:gpt2" in listed and "hf:meta-llama-3-8b" in listed
-    code, _, err = run_cli(capsys, "models", "bogus")
+    code, _, err = run_cli("models", "bogus")
     assert code == 2 and "unknown source" in err

@@ -101,31 +101,14 @@ def test_weight_cast_cache_one_copy_per_region():
     assert _weight_casts(CudaPolicy()) == 2
 
 
-def test_amp_trace_runs_backward_under_cuda_rules(tmp_path):
-    import json
+def test_amp_trace_runs_backward_under_cuda_rules(gpt2_config):
 
     from vramplan.pipeline import estimate_built
     from vramplan.sources import resolve
 
-    path = tmp_path / "config.json"
-    path.write_text(
-        json.dumps(
-            {
-                "model_type": "gpt2",
-                "architectures": ["GPT2LMHeadModel"],
-                "vocab_size": 512,
-                "n_positions": 64,
-                "n_embd": 32,
-                "n_layer": 2,
-                "n_head": 2,
-                # no dropout: both devices run a fused attention kernel, so the difference
-                # is the autocast lists alone
-                "attn_pdrop": 0.0,
-                "resid_pdrop": 0.0,
-                "embd_pdrop": 0.0,
-            }
-        )
-    )
+    # no dropout: both devices run a fused attention kernel, so the difference is the
+    # autocast lists alone
+    path = gpt2_config(no_dropout=True)
     recipe = Recipe(batch_size=2, seq_len=32, precision="amp-bf16")
     cuda = estimate_built(resolve(f"hf:{path}", recipe), recipe, "cuda")
     cpu = estimate_built(resolve(f"hf:{path}", recipe), recipe, "cpu")
@@ -136,16 +119,12 @@ def test_amp_trace_runs_backward_under_cuda_rules(tmp_path):
 
 
 
-def test_amp_with_checkpointing_recomputes_under_the_same_rules(tmp_path):
-    import json
+def test_amp_with_checkpointing_recomputes_under_the_same_rules(tiny_gpt2_config):
 
     from vramplan.pipeline import estimate_built
     from vramplan.sources import resolve
 
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                                "vocab_size": 512, "n_positions": 64, "n_embd": 32,
-                                "n_layer": 2, "n_head": 2}))
+    path = tiny_gpt2_config
     plain = Recipe(batch_size=2, seq_len=32, precision="amp-bf16")
     checkpointed = plain.with_changes(checkpointing="full")
     full = estimate_built(resolve(f"hf:{path}", checkpointed), checkpointed, "cuda")
@@ -154,19 +133,15 @@ def test_amp_with_checkpointing_recomputes_under_the_same_rules(tmp_path):
         "tensor_components"]["activations"]
 
 
-def test_recompute_casts_do_not_outlive_their_block(tmp_path):
+def test_recompute_casts_do_not_outlive_their_block(gpt2_config):
     """A checkpoint's recompute enters and leaves autocast once per block; PyTorch empties
     the weight-cast cache on leaving, so no half-precision weight copy reaches the
     optimizer step: its phase holds what the fp32 run's holds."""
-    import json
 
     from vramplan.sources import resolve
     from vramplan.trace.summary import summarize_trace
 
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"],
-                                "vocab_size": 512, "n_positions": 64, "n_embd": 64,
-                                "n_layer": 2, "n_head": 2}))
+    path = gpt2_config(n_embd=64)
 
     def optimizer_phase(precision):
         recipe = Recipe(batch_size=2, seq_len=32, precision=precision, checkpointing="full")

@@ -3,8 +3,6 @@ the chosen kernel keeps for backward, checked against the CPU's own fused kernel
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,13 +81,8 @@ def test_chosen_kernels_keep_their_log_sum_exp_not_the_matrix():
 
 
 @pytest.fixture(scope="module")
-def gpt2_spec(tmp_path_factory):
-    path = tmp_path_factory.mktemp("gpt2") / "config.json"
-    path.write_text(json.dumps({
-        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 512,
-        "n_positions": 512, "n_embd": 128, "n_layer": 2, "n_head": 4,
-        "attn_pdrop": 0.0, "resid_pdrop": 0.0, "embd_pdrop": 0.0}))
-    return f"hf:{path}"
+def gpt2_spec(gpt2_config):
+    return f"hf:{gpt2_config(no_dropout=True, n_positions=512, n_embd=128, n_head=4)}"
 
 
 def _forward_activations(spec, policy, seq_len, checkpointing="none"):

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
 
 from vramplan.device.catalog import catalog, gpu_from_memory, lookup_gpu
 from vramplan.device.runtime import runtime_table
@@ -13,19 +12,8 @@ from vramplan.errors import UserError
 
 
 @pytest.fixture
-def tiny_gpt2(tmp_path):
-    config = {
-        "model_type": "gpt2",
-        "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": 1024,
-        "n_positions": 128,
-        "n_embd": 64,
-        "n_layer": 2,
-        "n_head": 2,
-    }
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    return f"hf:{path}"
+def tiny_gpt2(gpt2_config):
+    return f"hf:{gpt2_config(vocab_size=1024, n_positions=128, n_embd=64)}"
 
 
 
@@ -78,9 +66,8 @@ def test_unknown_gpu_lists_close_matches():
         lookup_gpu("a1000")
 
 
-def test_figures_are_ordered_and_verdict_follows(capsys, tiny_gpt2):
+def test_figures_are_ordered_and_verdict_follows(run_cli, tiny_gpt2):
     code, out, _ = run_cli(
-        capsys,
         "estimate",
         tiny_gpt2,
         "--seq-len",
@@ -118,27 +105,26 @@ def test_figures_are_ordered_and_verdict_follows(capsys, tiny_gpt2):
     assert runtime["cublaslt_workspace"] == 2 * table["cublaslt_workspace"]["bytes"]
 
 
-def test_hopper_gets_the_larger_cublas_workspace(capsys, tiny_gpt2):
+def test_hopper_gets_the_larger_cublas_workspace(run_cli, tiny_gpt2):
     code, out, _ = run_cli(
-        capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--gpu", "h100", "--json"
+        "estimate", tiny_gpt2, "--seq-len", "32", "--gpu", "h100", "--json"
     )
     assert json.loads(out)["runtime"]["cublas_workspace"] == 2 * 32 * 2**20
 
 
-def test_allocated_counts_block_sizes(capsys, tiny_gpt2):
-    _, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--json")
+def test_allocated_counts_block_sizes(run_cli, tiny_gpt2):
+    _, out, _ = run_cli("estimate", tiny_gpt2, "--seq-len", "32", "--json")
     data = json.loads(out)
     tensor_level = data["details"]["tensor_allocated_bytes"]
     assert data["peak"]["allocated_bytes"] >= tensor_level
     assert all(value % 512 == 0 for value in data["components"].values())  # whole blocks
 
 
-def test_headroom_moves_fits_to_tight_and_oom_exits_3(capsys, tiny_gpt2):
-    _, out, _ = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--json")
+def test_headroom_moves_fits_to_tight_and_oom_exits_3(run_cli, tiny_gpt2):
+    _, out, _ = run_cli("estimate", tiny_gpt2, "--seq-len", "32", "--json")
     total = json.loads(out)["peak"]["device_total_bytes"]
     card = f"{int(total / 0.95)}B"  # the step fills 95% of this card
     code, out, _ = run_cli(
-        capsys,
         "estimate",
         tiny_gpt2,
         "--seq-len",
@@ -151,7 +137,6 @@ def test_headroom_moves_fits_to_tight_and_oom_exits_3(capsys, tiny_gpt2):
     )
     assert code == 0 and json.loads(out)["verdict"]["status"] == "fits"
     code, out, _ = run_cli(
-        capsys,
         "estimate",
         tiny_gpt2,
         "--seq-len",
@@ -164,17 +149,16 @@ def test_headroom_moves_fits_to_tight_and_oom_exits_3(capsys, tiny_gpt2):
     )
     assert code == 0 and json.loads(out)["verdict"]["status"] == "tight"
     code, out, _ = run_cli(
-        capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--gpu-memory", f"{total // 2}B", "--json"
+        "estimate", tiny_gpt2, "--seq-len", "32", "--gpu-memory", f"{total // 2}B", "--json"
     )
     assert code == 3 and json.loads(out)["verdict"]["status"] == "oom"
 
 
-def test_expandable_segments_map_whole_pages(capsys, tiny_gpt2):
+def test_expandable_segments_map_whole_pages(run_cli, tiny_gpt2):
     _, plain, _ = run_cli(
-        capsys, "estimate", tiny_gpt2, "--seq-len", "64", "--batch-size", "4", "--json"
+        "estimate", tiny_gpt2, "--seq-len", "64", "--batch-size", "4", "--json"
     )
     _, expandable, _ = run_cli(
-        capsys,
         "estimate",
         tiny_gpt2,
         "--seq-len",
@@ -201,19 +185,19 @@ def test_expandable_segments_map_whole_pages(capsys, tiny_gpt2):
         (["--framework", "jax"], "unknown framework"),
     ],
 )
-def test_bad_device_input(capsys, tiny_gpt2, args, message):
-    code, _, err = run_cli(capsys, "estimate", tiny_gpt2, "--seq-len", "32", *args)
+def test_bad_device_input(run_cli, tiny_gpt2, args, message):
+    code, _, err = run_cli("estimate", tiny_gpt2, "--seq-len", "32", *args)
     assert code == 2 and len(err.strip().splitlines()) == 1 and message in err
 
 
-def test_tensorflow_is_explained(capsys, tiny_gpt2):
+def test_tensorflow_is_explained(run_cli, tiny_gpt2):
     code, out, _ = run_cli(
-        capsys, "estimate", tiny_gpt2, "--seq-len", "32", "--framework", "tensorflow", "--json"
+        "estimate", tiny_gpt2, "--seq-len", "32", "--framework", "tensorflow", "--json"
     )
     assert code == 0 and any("memory growth" in n for n in json.loads(out)["notes"])
 
 
-def test_gpus_command_json(capsys):
-    code, out, _ = run_cli(capsys, "gpus", "--json")
+def test_gpus_command_json(run_cli):
+    code, out, _ = run_cli("gpus", "--json")
     rows = json.loads(out)
     assert code == 0 and {"name", "total_bytes", "arch"} <= set(rows[0])

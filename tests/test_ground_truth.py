@@ -7,8 +7,6 @@ the CPU policy.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from torch import nn
@@ -81,19 +79,9 @@ def _module_built(factory, shape):
 
 
 @pytest.fixture
-def gpt2_two_layers(tmp_path):
-    config = {
-        "model_type": "gpt2",
-        "architectures": ["GPT2LMHeadModel"],
-        "vocab_size": 1000,
-        "n_positions": 128,
-        "n_embd": 64,
-        "n_layer": 2,
-        "n_head": 4,
-        "tie_word_embeddings": True,
-    }
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
+def gpt2_two_layers(gpt2_config):
+    path = gpt2_config(vocab_size=1000, n_positions=128, n_embd=64, n_head=4,
+                       tie_word_embeddings=True)
     return lambda recipe: resolve(f"hf:{path}", recipe)
 
 

@@ -39,22 +39,9 @@ class _Collector(HTMLParser):
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
+def report(tmp_path_factory, gpt2_config):
     folder = tmp_path_factory.mktemp("report")
-    config = folder / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "model_type": "gpt2",
-                "architectures": ["GPT2LMHeadModel"],
-                "vocab_size": 512,
-                "n_positions": 64,
-                "n_embd": 32,
-                "n_layer": 2,
-                "n_head": 2,
-            }
-        )
-    )
+    config = gpt2_config()
     html, png = folder / "report.html", folder / "report.png"
     import io
     from contextlib import redirect_stdout

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import run_cli
 
 from vramplan.device.profile import DeviceProfile, load_profile, save_profile
 from vramplan.measure.leak import check_leak
@@ -33,9 +32,8 @@ def models(tmp_path):
     return path
 
 
-def test_measure_prints_estimate_beside_measurement(capsys, models):
+def test_measure_prints_estimate_beside_measurement(run_cli, models):
     code, out, _ = run_cli(
-        capsys,
         "measure",
         f"{models}:clean",
         "--batch-size",
@@ -54,9 +52,8 @@ def test_measure_prints_estimate_beside_measurement(capsys, models):
     assert data["leak"]["leaking"] is False
 
 
-def test_leak_check_flags_a_model_that_keeps_its_graphs(capsys, models):
+def test_leak_check_flags_a_model_that_keeps_its_graphs(run_cli, models):
     code, out, _ = run_cli(
-        capsys,
         "measure",
         f"{models}:leaky",
         "--batch-size",
@@ -72,8 +69,8 @@ def test_leak_check_flags_a_model_that_keeps_its_graphs(capsys, models):
     assert leak["bytes_per_step"] >= 64 * 256 * 4  # at least one kept output per step
 
 
-def test_terminal_output(capsys, models):
-    code, out, _ = run_cli(capsys, "measure", f"{models}:clean", "--device", "cpu")
+def test_terminal_output(run_cli, models):
+    code, out, _ = run_cli("measure", f"{models}:clean", "--device", "cpu")
     assert code == 0 and "Estimate vs measurement" in out and "no leak" in out
 
 
@@ -83,36 +80,24 @@ def test_check_leak_rules():
     assert not check_leak((1_000_000, 2_000_000)).leaking  # too few steps to judge
 
 
-def test_measure_bad_device(capsys, models):
-    code, _, err = run_cli(capsys, "measure", f"{models}:clean", "--device", "tpu")
+def test_measure_bad_device(run_cli, models):
+    code, _, err = run_cli("measure", f"{models}:clean", "--device", "tpu")
     assert code == 2 and "unknown device" in err
     import torch
 
     if not torch.cuda.is_available():
-        code, _, err = run_cli(capsys, "measure", f"{models}:clean", "--device", "cuda")
+        code, _, err = run_cli("measure", f"{models}:clean", "--device", "cuda")
         assert code == 2 and "no CUDA device" in err
-        code, _, err = run_cli(capsys, "calibrate")
+        code, _, err = run_cli("calibrate")
         assert code == 2 and "needs a CUDA GPU" in err
 
 
-def test_calibrated_profile_replaces_the_runtime_table(capsys, tmp_path, monkeypatch):
+def test_calibrated_profile_replaces_the_runtime_table(run_cli, gpt2_config, tmp_path,
+                                                       monkeypatch):
     monkeypatch.setenv("VRAMPLAN_PROFILE_DIR", str(tmp_path))
-    config = tmp_path / "config.json"
-    config.write_text(
-        json.dumps(
-            {
-                "model_type": "gpt2",
-                "architectures": ["GPT2LMHeadModel"],
-                "vocab_size": 256,
-                "n_positions": 32,
-                "n_embd": 32,
-                "n_layer": 1,
-                "n_head": 2,
-            }
-        )
-    )
+    config = gpt2_config(vocab_size=256, n_positions=32, n_layer=1)
     code, out, _ = run_cli(
-        capsys, "estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4", "--json"
+        "estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4", "--json"
     )
     before = json.loads(out)
     profile = DeviceProfile(
@@ -127,11 +112,11 @@ def test_calibrated_profile_replaces_the_runtime_table(capsys, tmp_path, monkeyp
     path = save_profile(profile)
     assert load_profile(path) == profile
     code, out, _ = run_cli(
-        capsys, "estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4", "--json"
+        "estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4", "--json"
     )
     after = json.loads(out)
     assert after["runtime"]["cuda_context"] == 1_343 * 2**20
     assert after["peak"]["device_total_bytes"] == after["peak"]["reserved_bytes"] + 1_343 * 2**20
     assert after["peak"]["reserved_bytes"] == before["peak"]["reserved_bytes"]
-    code, _, err = run_cli(capsys, "estimate", f"hf:{config}", "--profile", str(tmp_path / "x"))
+    code, _, err = run_cli("estimate", f"hf:{config}", "--profile", str(tmp_path / "x"))
     assert code == 2 and "device profile not found" in err

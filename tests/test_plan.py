@@ -13,7 +13,7 @@ from vramplan.device.options import device_options
 from vramplan.errors import UserError
 from vramplan.plan.bench import Workbench
 from vramplan.plan.host import HostOptions, host_memory
-from vramplan.plan.levers import plan_levers
+from vramplan.plan.levers import _candidates, plan_levers
 from vramplan.plan.search import bisection_cost, largest_fitting
 from vramplan.recipe import Recipe
 
@@ -164,6 +164,18 @@ def test_plan_reproduces_through_ordinary_flags(capsys, tiny_cnn):
     assert again["peak"]["device_total_bytes"] == plan["peak"]["device_total_bytes"]
     assert again["verdict"]["status"] == "fits"
 
+
+@pytest.mark.parametrize(
+    "gpu,amp",
+    [("B200", "amp-bf16"), ("RTX-5090", "amp-bf16"), ("A100-80GB", "amp-bf16"),
+     ("MI300X", "amp-bf16"), ("T4", "amp-fp16"), ("V100-16GB", "amp-fp16")],
+)
+def test_mixed_precision_lever_follows_compute_capability(gpu, amp):
+    # "sm100" < "sm80" as strings: Blackwell must still be offered bf16, pre-Ampere fp16.
+    bench = Workbench("unused:model", device_options(gpu=gpu))
+    levers = {name: changes for name, changes, _ in _candidates(bench, Recipe(batch_size=4))}
+    assert levers["mixed precision"] == {"precision": amp}
+    assert ("bf16 weights" in levers) == (amp == "amp-bf16")
 
 def test_nothing_fits_says_so(tiny_cnn):
     bench = _bench(tiny_cnn, "512MiB")

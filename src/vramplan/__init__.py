@@ -1,9 +1,17 @@
 """vramplan: how much GPU memory will this step take, where does it go, and does it fit?
 
+A trace of a training step on a named card::
+
+    import vramplan
+    s = vramplan.Session("torchvision:resnet50", gpu="a100")
+    s.estimate(batch_size=64).peak.device_total_bytes   # what nvidia-smi would show
+
+and the classic arithmetic, without tracing:
+
 >>> import vramplan
->>> s = vramplan.Session("torchvision:resnet50", gpu="a100")       # doctest: +SKIP
->>> s.estimate(batch_size=64).peak.device_total_bytes              # doctest: +SKIP
-7713914880
+>>> est = vramplan.calc("20M", activations_per_sample="1M", batch_size=32, optimizer="none")
+>>> est.peak.allocated_bytes   # 20 M fp32 weights and gradients, 32 x 1 M fp32 activations
+288000000
 
 ``Session`` is the front door; ``estimate``, ``max_batch_size``, ``plan``, ``measure`` and
 ``estimate_step`` are one-call wrappers of it, and ``calc``, ``layers`` and ``llm`` answer

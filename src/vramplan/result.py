@@ -3,10 +3,12 @@
 Bytes are exact integers. ``to_json()`` produces the documented, versioned contract
 ``vramplan.estimate/1`` (see README, "JSON contract")::
 
-    >>> est.peak.allocated_bytes                      # doctest: +SKIP
-    2976301056
-    >>> est.to_json()["components"]["optimizer_state"]  # doctest: +SKIP
-    204395520
+    >>> from vramplan.analytic.calc import calculate
+    >>> est = calculate(20_000_000, 32, 1_000_000, Recipe(optimizer="adam"))  # 20 M in fp32
+    >>> est.peak.allocated_bytes
+    448000000
+    >>> est.to_json()["components"]["optimizer_state"]  # Adam: two fp32 moments
+    160000000
 """
 
 from __future__ import annotations

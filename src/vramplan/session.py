@@ -2,13 +2,10 @@
 and measure. Every CLI command and every convenience function goes through it, so a
 notebook gets exactly what the command line prints::
 
-    >>> s = Session("torchvision:resnet18", gpu="t4")            # doctest: +SKIP
-    >>> s.estimate(batch_size=64).verdict.status                # doctest: +SKIP
-    'fits'
-    >>> s.max_batch(input_shape="3x224x224").value              # doctest: +SKIP
-    410
-    >>> s.plan(batch_size=512).levers.plan.flags                # doctest: +SKIP
-    '--precision amp-bf16 --checkpointing 4'
+    s = Session("torchvision:resnet18", gpu="t4")
+    s.estimate(batch_size=64).verdict.status        # 'fits', 'tight' or 'oom'
+    s.max_batch(input_shape="3x224x224").value      # the largest batch that fits
+    s.plan(batch_size=512).levers.plan.flags        # e.g. '--precision amp-bf16 ...'
 
 Traces are cached per recipe, so asking again (or planning after estimating) reuses them.
 """

@@ -1,7 +1,8 @@
 """A simulation of PyTorch's CUDA caching allocator, replayed over a trace.
 
-The rules follow ``c10/cuda/CUDACachingAllocator.cpp`` (PyTorch 2.4–2.x; see
-../shared/research/runtime.md §1): requests round up to 512 B (or to power-of-two
+The rules are those of PyTorch's own allocator, ``c10/cuda/CUDACachingAllocator.cpp``
+(PyTorch 2.4–2.x: ``round_size``, ``get_allocation_size``, ``get_free_block``,
+``should_split``, ``release_cached_blocks``): requests round up to 512 B (or to power-of-two
 divisions), requests of at most 1 MiB use the small pool with 2 MiB segments, larger ones
 the large pool with 20 MiB segments below 10 MiB and 2 MiB-rounded segments above; the
 best-fitting cached block (smallest size, then lowest address) on the same stream is

@@ -2,6 +2,10 @@
 
 >>> lookup_gpu("a100").name
 'A100-80GB'
+>>> lookup_gpu("b200").compute_capability, lookup_gpu("b200").supports_bf16
+((10, 0), True)
+>>> lookup_gpu("t4").compute_capability, lookup_gpu("t4").supports_bf16
+((7, 5), False)
 >>> lookup_gpu("A100-40GB").total_bytes
 42949672960
 >>> gpu_from_memory("24GiB").total_bytes
@@ -32,14 +36,48 @@ class GpuSpec:
     vendor: str = "nvidia"
     aliases: tuple[str, ...] = ()
 
+    @property
+    def compute_capability(self) -> tuple[int, int]:
+        """(major, minor) as ``torch.cuda.get_device_capability`` reports it: "sm90" is
+        (9, 0), "sm100" (10, 0), "sm120" (12, 0); on ROCm the gfx target's major and minor
+        ("gfx90a" is (9, 0), "gfx942" (9, 4), "gfx1100" (11, 0))."""
+        return compute_capability(self.arch)
+
+    @property
+    def supports_bf16(self) -> bool:
+        """Whether the card has bf16 tensor-core math: NVIDIA from Ampere (sm80) on, and
+        the AMD Instinct cards of the catalog (CDNA2 and later)."""
+        if self.vendor == "amd":
+            return True
+        return self.compute_capability >= (8, 0)
+
     def to_json(self) -> dict:
         return {
             "name": self.name,
             "total_bytes": self.total_bytes,
             "arch": self.arch,
+            "compute_capability": list(self.compute_capability),
             "family": self.family,
             "vendor": self.vendor,
         }
+
+
+def compute_capability(arch: str) -> tuple[int, int]:
+    """(major, minor) of an architecture name: the last digit of "smXY" is the minor, the
+    rest the major; a "gfxXYZ" target ends in a minor and a stepping digit (hex).
+
+    >>> compute_capability("sm75"), compute_capability("sm100"), compute_capability("sm120")
+    ((7, 5), (10, 0), (12, 0))
+    >>> compute_capability("gfx90a"), compute_capability("gfx942"), compute_capability("gfx1100")
+    ((9, 0), (9, 4), (11, 0))
+    """
+    sm = re.fullmatch(r"sm_?(\d+)(\d)", arch)
+    if sm:
+        return int(sm[1]), int(sm[2])
+    gfx = re.fullmatch(r"gfx(\d+)([0-9a-f])([0-9a-f])", arch)
+    if gfx:
+        return int(gfx[1]), int(gfx[2], 16)
+    raise ValueError(f"unknown GPU architecture {arch!r} (expected smXY or gfxXYZ)")
 
 
 def _key(name: str) -> str:

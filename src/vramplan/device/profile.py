@@ -5,7 +5,9 @@
     >>> profile = DeviceProfile(gpu="A100-80GB", total_bytes=85899345920, driver="550.54",
     ...                         cuda="12.4", torch="2.5.1", cuda_context_bytes=500 * 2**20,
     ...                         cublas_workspace_bytes=8519680)
-    >>> load_profile(save_profile(profile, tmp_dir)).cuda_context_bytes    # doctest: +SKIP
+    >>> import tempfile
+    >>> with tempfile.TemporaryDirectory() as folder:
+    ...     load_profile(save_profile(profile, Path(folder))).cuda_context_bytes
     524288000
 """
 

@@ -1,8 +1,12 @@
 """The model facts a parallel layout needs, read from a built (meta) model.
 
->>> facts_of(resolve("hf:gpt2", Recipe()))      # doctest: +SKIP
-ModelFacts(parameters=124439808, largest_block_parameters=7087872, layers=12, heads=12,
-           root_parameters=39390720)
+>>> from vramplan.recipe import Recipe
+>>> from vramplan.sources import resolve
+>>> facts = facts_of(resolve("hf:gpt2", Recipe()))
+>>> facts.parameters, facts.largest_block_parameters, facts.layers, facts.heads
+(124439808, 7087872, 12, 12)
+>>> facts.root_parameters  # token and position embeddings and the final layer norm
+39385344
 """
 
 from __future__ import annotations

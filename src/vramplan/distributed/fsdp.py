@@ -8,8 +8,8 @@ reduce-scatter buffers are FSDP2's own allocations. FSDP2 runs its collectives o
 side streams; each allocation keeps its stream, so the allocator model does not reuse a
 communication stream's cached blocks for compute::
 
-    >>> engine = Fsdp2(world_size=8)
-    >>> trace = trace_training(built, recipe, policy, engine)   # doctest: +SKIP
+    engine = Fsdp2(world_size=8)
+    trace = trace_training(built, recipe, policy, engine)   # one rank of eight
 """
 
 from __future__ import annotations

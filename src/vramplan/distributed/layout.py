@@ -4,8 +4,11 @@ The single-GPU trace at the per-GPU batch gives the working set (activations,
 temporaries, the input batch, the allocator's fragmentation); the layout decides the model
 states each rank holds and how activations divide::
 
-    >>> layout = ParallelLayout(shard="zero3", data_parallel=8)
-    >>> est = per_rank(estimate, layout, model_facts)        # doctest: +SKIP
+    layout = ParallelLayout(shard="zero3", data_parallel=8)
+    est = per_rank(estimate, layout, model_facts)   # one rank's Estimate
+
+>>> ParallelLayout(shard="zero3", data_parallel=8).describe()
+'zero3 dp=8'
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """NVML, read when ``nvidia-ml-py`` is installed: the memory this process holds on the GPU
-and the driver version.
+and the driver version::
 
-    >>> nvml_used_bytes()      # doctest: +SKIP
-    1297088512
+    nvml_used_bytes()   # bytes this process holds on the GPU; None without NVML
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
-"""A workbench that estimates a model under many recipes, counting and caching traces.
+"""A workbench that estimates a model under many recipes, counting and caching traces::
 
->>> bench = Workbench("torchvision:resnet18", device_options(gpu="t4"))   # doctest: +SKIP
->>> bench.estimate(Recipe(batch_size=64)).verdict.status                 # doctest: +SKIP
-'fits'
+    bench = Workbench("torchvision:resnet18", device_options(gpu="t4"))
+    bench.estimate(Recipe(batch_size=64)).verdict.status   # 'fits'; traced once, then cached
 """
 
 from __future__ import annotations

@@ -1,7 +1,11 @@
 """System RAM for the run: the process, the model as loaded on the host, the DataLoader's
 batches in flight, pinned staging buffers, and CPU-offloaded optimizer state.
 
-    >>> host_memory(estimate, HostOptions(workers=4)).total_bytes     # doctest: +SKIP
+    >>> from vramplan.analytic.calc import calculate
+    >>> from vramplan.recipe import Recipe
+    >>> estimate = calculate(20_000_000, 32, 1_000_000, Recipe(optimizer="adam"))
+    >>> host_memory(estimate, HostOptions(workers=4)).terms["model_on_host"]  # fp32 weights
+    80000000
 """
 
 from __future__ import annotations

@@ -1,7 +1,14 @@
 """One self-contained HTML report of an Estimate: inline CSS and server-side SVG, no
-script, no network. Every number shown is read from the same Estimate the JSON prints.
+JavaScript (the Estimate's JSON is embedded as data), no network. Every number shown is
+read from the same Estimate the JSON prints.
 
-    >>> Path("report.html").write_text(render_html(estimate))   # doctest: +SKIP
+    >>> from vramplan.analytic.calc import calculate
+    >>> from vramplan.recipe import Recipe
+    >>> page = render_html(calculate(20_000_000, 32, 1_000_000, Recipe(optimizer="adam")))
+    >>> page.startswith("<!DOCTYPE html>"), '<script type="application/json"' in page
+    (True, True)
+    >>> page.count("<script"), "http" in page.replace("http-equiv", "")
+    (1, False)
 """
 
 from __future__ import annotations

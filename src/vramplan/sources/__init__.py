@@ -1,6 +1,6 @@
 """Turn a model name or path into a ``BuiltModel`` without allocating real memory.
 
->>> resolve("torchvision:resnet50", Recipe(batch_size=8)).kind   # doctest: +SKIP
+>>> resolve("torchvision:resnet50", Recipe(batch_size=8)).kind
 'image'
 """
 

@@ -1,8 +1,10 @@
 """What every model source returns: a model on the meta device and how to feed it.
 
->>> built = resolve("torchvision:resnet18", Recipe(batch_size=2))   # doctest: +SKIP
->>> built.kind, built.default_input_shape                          # doctest: +SKIP
-('image', (3, 224, 224))
+>>> from vramplan.recipe import Recipe
+>>> from vramplan.sources import resolve
+>>> built = resolve("torchvision:resnet18", Recipe(batch_size=2))
+>>> built.kind, built.default_input_shape, next(built.model.parameters()).device.type
+('image', (3, 224, 224), 'meta')
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@
 The blocks are the children of the containers (``nn.Sequential``, ``nn.ModuleList``)
 whose members repeat one class: ResNet's bottlenecks, a transformer's layers::
 
-    >>> checkpoint_repeated_blocks(model)   # doctest: +SKIP
+    >>> layers = nn.Sequential(*[nn.Linear(8, 8) for _ in range(24)])
+    >>> checkpoint_repeated_blocks(nn.Sequential(nn.Embedding(10, 8), layers))
     24
 """
 

@@ -3,7 +3,7 @@
 No weights and no network: the config is a bundled data file (or the user's own file),
 and the model is built on the meta device::
 
-    >>> built = build_hf("gpt2", Recipe(batch_size=2, seq_len=128))   # doctest: +SKIP
+    >>> built = build_hf("gpt2", Recipe(batch_size=2, seq_len=128))
     >>> built.kind
     'causal-lm'
 """

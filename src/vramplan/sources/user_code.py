@@ -23,7 +23,6 @@ from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel, classification_loss
 from vramplan.sources.blocks import checkpoint_repeated_blocks
 
-DEFAULT_IMAGE = (3, 224, 224)
 DEFAULT_SEQ_LEN = 512
 
 

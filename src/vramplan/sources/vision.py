@@ -1,6 +1,6 @@
 """``torchvision:NAME`` and ``timm:NAME``: image models built on the meta device.
 
->>> built = build_torchvision("resnet50", Recipe(batch_size=8))   # doctest: +SKIP
+>>> built = build_torchvision("resnet50", Recipe(batch_size=8))
 >>> built.default_input_shape
 (3, 224, 224)
 """

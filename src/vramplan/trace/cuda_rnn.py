@@ -9,8 +9,9 @@ steps at once, then per step one fused cell (``_thnn_fused_lstm_cell``) saving a
 runs that native CUDA algorithm through its ATen ops (meta kernels and autograd formulas
 from PyTorch), the stand-in for cuDNN's reserve::
 
-    >>> with cuda_lstm(log):                    # doctest: +SKIP
-    ...     out, (h, c) = nn.LSTM(128, 256, 2)(x)
+    calls = {}
+    with cuda_lstm(calls):
+        out, (h, c) = nn.LSTM(128, 256, 2)(x)   # on fake tensors; calls["lstm"] == 1
 """
 
 from __future__ import annotations

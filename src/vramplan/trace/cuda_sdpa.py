@@ -8,8 +8,11 @@ is swapped for one that applies the GPU's selection rules and calls the chosen k
 own ATen op, whose meta kernel and autograd formula PyTorch provides (so checkpoint
 recompute and backward see the same kernel)::
 
-    >>> choose_backend(Attention.of(q, k, v, None, 0.1, True, False), "sm80")  # doctest: +SKIP
+    >>> q = k = v = torch.empty(2, 8, 128, 64, dtype=torch.float16, device="meta")
+    >>> choose_backend(Attention.of(q, k, v, None, 0.1, True, True), "sm80")
     'flash'
+    >>> choose_backend(Attention.of(q, k, v, None, 0.1, True, True), "sm75")
+    'efficient'
 
 The rules follow ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` (PyTorch 2.9 to
 2.14): order cuDNN, flash, memory-efficient, math on sm90/sm100 (cuDNN >= 9.9 prefers its

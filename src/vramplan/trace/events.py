@@ -3,9 +3,13 @@
 A trace is the value passed from the tracer to everything downstream (the summary,
 the allocator simulation, the report)::
 
-    >>> trace.allocations[0].nbytes        # doctest: +SKIP
-    37632
-    >>> trace.live_bytes_at(trace.peak_index())  # doctest: +SKIP
+    >>> weight = Allocation(0, 4096, "parameters", "setup", 0, "fc", "empty", 0, None)
+    >>> hidden = Allocation(1, 512, "activations", "forward", 1, "fc", "aten.addmm", 1, 2)
+    >>> trace = Trace((weight, hidden), (PhaseMark(0, "setup", 0), PhaseMark(1, "forward", 1)), 3)
+    >>> [event.delta for event in trace.events()]
+    [4096, 512, -512]
+    >>> [a.nbytes for a in trace.live_at(1)], trace.phase_at(2).phase
+    ([4096, 512], 'forward')
 """
 
 from __future__ import annotations

@@ -1,7 +1,12 @@
 """Turn a meta-device model into fake CPU tensors, keeping tied weights tied.
 
->>> with FakeTensorMode():                  # doctest: +SKIP
+>>> from torch._subclasses.fake_tensor import FakeTensorMode
+>>> model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 8, bias=False)).to("meta")
+>>> model[1].weight = model[0].weight
+>>> with FakeTensorMode():
 ...     materialize(model)
+>>> model[0].weight.device, model[1].weight is model[0].weight
+(device(type='cpu'), True)
 """
 
 from __future__ import annotations

@@ -1,8 +1,14 @@
 """Which module is running: a stack kept by global forward hooks.
 
+>>> model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
 >>> stack = ModuleStack()
->>> stack.name_modules(model)         # doctest: +SKIP
->>> with stack: model(x)              # doctest: +SKIP
+>>> stack.name_modules(model)
+>>> seen = []
+>>> _ = model[1].register_forward_pre_hook(lambda *_: seen.append(stack.innermost()))
+>>> with stack:
+...     _ = model(torch.zeros(1, 4))
+>>> seen, stack.kinds["1"]
+(['1'], 'ReLU')
 """
 
 from __future__ import annotations

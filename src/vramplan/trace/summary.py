@@ -1,7 +1,14 @@
 """From a Trace to the numbers people read: peak, breakdown at the peak, modules, timeline.
 
->>> s = summarize_trace(trace)                 # doctest: +SKIP
->>> s.peak.allocated_bytes == s.timeline_max   # doctest: +SKIP
+>>> from vramplan.trace.events import Allocation, PhaseMark
+>>> weight = Allocation(0, 4096, "parameters", "setup", 0, "fc", "empty", 0, None)
+>>> hidden = Allocation(1, 512, "activations", "forward", 1, "fc", "aten.addmm", 1, 2)
+>>> s = summarize_trace(Trace((weight, hidden), (PhaseMark(0, "setup", 0),
+...                                              PhaseMark(1, "forward", 1)), 3))
+>>> s.peak.allocated_bytes, s.peak.phase, s.components["activations"]
+(4608, 'forward', 512)
+>>> s.phase_peaks, [m.name for m in s.top_modules]
+({'setup': 4096, 'forward': 4608}, ['fc'])
 """
 
 from __future__ import annotations
