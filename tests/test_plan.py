@@ -23,26 +23,6 @@ CARD = "900MiB"
 
 
 @pytest.fixture
-def tiny_cnn(tmp_path):
-    path = tmp_path / "cnn.py"
-    path.write_text(
-        "from torch import nn\n"
-        "class Block(nn.Module):\n"
-        "    def __init__(self):\n"
-        "        super().__init__()\n"
-        "        self.conv, self.norm = nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32)\n"
-        "    def forward(self, x):\n"
-        "        return nn.functional.relu(self.norm(self.conv(x))) + x\n"
-        "def make():\n"
-        "    return nn.Sequential(\n"
-        "        nn.Conv2d(3, 32, 3, padding=1), nn.ReLU(),\n"
-        "        nn.Sequential(Block(), Block(), Block(), Block()),\n"
-        "        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))\n"
-    )
-    return f"{path}:make"
-
-
-@pytest.fixture
 def tiny_llama(tmp_path):
     path = tmp_path / "config.json"
     path.write_text(

@@ -15,20 +15,6 @@ from vramplan.cli import main
 CARD = "900MiB"
 
 
-@pytest.fixture
-def tiny_cnn(tmp_path):
-    path = tmp_path / "cnn.py"
-    path.write_text(
-        "from torch import nn\n"
-        "def make():\n"
-        "    return nn.Sequential(\n"
-        "        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),\n"
-        "        nn.Conv2d(16, 16, 3, padding=1), nn.ReLU(),\n"
-        "        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10))\n"
-    )
-    return f"{path}:make"
-
-
 def _cli_json(capsys, *args: str) -> dict:
     try:
         code = main([*args, "--json"])
