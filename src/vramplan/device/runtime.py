@@ -18,20 +18,8 @@ from importlib import resources
 
 from vramplan.device.catalog import GpuSpec
 from vramplan.device.profile import DeviceProfile
+from vramplan.ops import Library, library_of
 from vramplan.trace.events import Trace
-
-_MATMULS = {
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "matmul",
-    "linear",
-    "addmv",
-    "mv",
-    "_scaled_mm",
-    "addbmm",
-}
 
 
 @cache
@@ -41,8 +29,8 @@ def runtime_table() -> dict:
 
 
 def uses_matmul(trace: Trace, phase: str) -> bool:
-    """Whether any cuBLAS-backed op ran in ``phase``."""
-    return any(p == phase and op in _MATMULS for (p, op) in trace.op_counts)
+    """Whether any cuBLAS-backed op (``Library.MATMUL`` in the op registry) ran in ``phase``."""
+    return any(p == phase and library_of(op) is Library.MATMUL for (p, op) in trace.op_counts)
 
 
 def uses_convolution(trace: Trace) -> bool:

@@ -20,16 +20,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from vramplan.ops import Library, library_of
 from vramplan.trace.events import PhaseMark
 from vramplan.trace.modules import ModuleStack
-
-_CONVOLUTIONS = (
-    "convolution",
-    "convolution_backward",
-    "cudnn_convolution",
-    "_convolution",
-    "convolution_overrideable",
-)
 
 
 @dataclass(frozen=True)
@@ -210,7 +203,7 @@ class AllocationRecorder(TorchDispatchMode):
         for item in tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor) and item.device.type != "meta":
                 self.track(item, name)
-        if name in _CONVOLUTIONS:
+        if library_of(func) is Library.CONVOLUTION:  # cuDNN: a workspace marker
             self.markers.append(
                 OpMarker(
                     self.event_count - 1,
