@@ -54,7 +54,8 @@ class Phase(_Named):
     OPTIMIZER = "optimizer"
 
 
-COMPONENTS = tuple(c.value for c in Component)
+COMPONENTS = tuple(Component)
+"""The components in the order renderers show them."""
 Method = Literal["trace", "analytic", "calc", "layers"]
 
 
@@ -71,11 +72,13 @@ def five_part_summary(components: dict[str, int]) -> dict[str, int]:
     {'parameters': 5, 'gradients': 4, 'optimizer_state': 8, 'activations': 13, 'workspace': 2}
     """
     return {
-        "parameters": components.get("parameters", 0) + components.get("buffers", 0),
-        "gradients": components.get("gradients", 0),
-        "optimizer_state": components.get("optimizer_state", 0),
-        "activations": components.get("activations", 0) + components.get("inputs", 0),
-        "workspace": components.get("temporaries", 0),
+        "parameters": components.get(Component.PARAMETERS, 0)
+        + components.get(Component.BUFFERS, 0),
+        "gradients": components.get(Component.GRADIENTS, 0),
+        "optimizer_state": components.get(Component.OPTIMIZER_STATE, 0),
+        "activations": components.get(Component.ACTIVATIONS, 0)
+        + components.get(Component.INPUTS, 0),
+        "workspace": components.get(Component.TEMPORARIES, 0),
     }
 
 

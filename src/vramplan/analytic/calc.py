@@ -11,7 +11,7 @@ import math
 
 from vramplan.analytic.states import model_state_bytes
 from vramplan.recipe import Recipe
-from vramplan.result import Estimate, ModelInfo, Peak, empty_components
+from vramplan.result import Component, Estimate, ModelInfo, Peak, Phase, empty_components
 
 METHODS = ("pytorch", "cs231n")
 
@@ -31,11 +31,11 @@ def cs231n_bytes(
     779021856
     """
     return {
-        "parameters": params * bytes_per_value,
-        "gradients": params * bytes_per_value,
-        "optimizer_state": params * bytes_per_value,
-        "activations": 2 * activations * batch * bytes_per_value,
-        "inputs": input_values * batch * bytes_per_value,
+        Component.PARAMETERS: params * bytes_per_value,
+        Component.GRADIENTS: params * bytes_per_value,
+        Component.OPTIMIZER_STATE: params * bytes_per_value,
+        Component.ACTIVATIONS: 2 * activations * batch * bytes_per_value,
+        Component.INPUTS: input_values * batch * bytes_per_value,
     }
 
 
@@ -60,20 +60,20 @@ def calculate(
             )
         )
         per_value = activation_bytes(recipe.precision)
-        components["activations"] = batch * activations_per_sample * per_value
-        components["inputs"] = batch * input_values * per_value
+        components[Component.ACTIVATIONS] = batch * activations_per_sample * per_value
+        components[Component.INPUTS] = batch * input_values * per_value
     total = sum(components.values())
     info = ModelInfo(
         name="calc",
         parameters=params,
         trainable_parameters=params,
-        parameter_bytes=components["parameters"],
+        parameter_bytes=components[Component.PARAMETERS],
         kind="counts",
     )
     return Estimate(
         model=info,
         recipe=recipe,
-        peak=Peak(allocated_bytes=total, phase="backward"),
+        peak=Peak(allocated_bytes=total, phase=Phase.BACKWARD),
         components=components,
         method="calc",
         notes=(_explain(method),),

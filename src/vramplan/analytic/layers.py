@@ -25,7 +25,7 @@ from vramplan.analytic.calc import activation_bytes, cs231n_bytes
 from vramplan.analytic.states import model_state_bytes
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
-from vramplan.result import Estimate, ModelInfo, Peak, empty_components
+from vramplan.result import Component, Estimate, ModelInfo, Peak, Phase, empty_components
 
 TYPES = (
     "input",
@@ -217,19 +217,19 @@ def layers_estimate(
             )
         )
         if recipe.is_training:
-            components["activations"] = batch * sum(r.saved_bytes for r in rows)
+            components[Component.ACTIVATIONS] = batch * sum(r.saved_bytes for r in rows)
             # backward holds an output gradient and an input gradient at a time
             largest = max(r.values for r in rows)
-            components["temporaries"] = 2 * largest * batch * act
+            components[Component.TEMPORARIES] = 2 * largest * batch * act
         else:
             largest = max(a.values + b.values for a, b in zip(rows, rows[1:], strict=False))
-            components["activations"] = largest * batch * act
-        components["inputs"] = rows[0].values * batch * act
+            components[Component.ACTIVATIONS] = largest * batch * act
+        components[Component.INPUTS] = rows[0].values * batch * act
     info = ModelInfo(
         name=name,
         parameters=params,
         trainable_parameters=params,
-        parameter_bytes=components["parameters"],
+        parameter_bytes=components[Component.PARAMETERS],
         kind="layers",
     )
     note = (
@@ -243,7 +243,7 @@ def layers_estimate(
     return Estimate(
         model=info,
         recipe=recipe,
-        peak=Peak(allocated_bytes=sum(components.values()), phase="backward"),
+        peak=Peak(allocated_bytes=sum(components.values()), phase=Phase.BACKWARD),
         components=components,
         method="layers",
         notes=(note,),

@@ -13,6 +13,7 @@ state, the 16 bytes per parameter of mixed-precision Adam in the ZeRO paper)::
 from __future__ import annotations
 
 from vramplan.errors import UserError
+from vramplan.result import Component
 
 # State tensors per parameter, each in the parameter's dtype.
 STATE_COPIES = {
@@ -45,11 +46,19 @@ def model_state_bytes(
     trained = params if trainable is None else trainable
     per = weight_bytes(precision)
     if not training:
-        return {"parameters": params * per, "gradients": 0, "optimizer_state": 0}
+        return {
+            Component.PARAMETERS: params * per,
+            Component.GRADIENTS: 0,
+            Component.OPTIMIZER_STATE: 0,
+        }
     if optimizer == "adam8bit":
         state = round(trained * ADAM8BIT_BYTES)
     elif optimizer in STATE_COPIES:
         state = trained * per * STATE_COPIES[optimizer]
     else:
         raise UserError(f"unknown optimizer {optimizer!r}")
-    return {"parameters": params * per, "gradients": trained * per, "optimizer_state": state}
+    return {
+        Component.PARAMETERS: params * per,
+        Component.GRADIENTS: trained * per,
+        Component.OPTIMIZER_STATE: state,
+    }

@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from vramplan.analytic.states import model_state_bytes
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
-from vramplan.result import Estimate, ModelInfo, Peak, empty_components
+from vramplan.result import Component, Estimate, ModelInfo, Peak, Phase, empty_components
 
 DECODERS = {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "phi3", "mixtral"}
 
@@ -212,11 +212,11 @@ def transformer_estimate(
     t = parallel.tensor
     if lora is not None:
         trainable = lora.adapter_parameters(shape)
-        components["parameters"] = int(params * lora.base_bytes_per_param()) + trainable * 4
+        components[Component.PARAMETERS] = int(params * lora.base_bytes_per_param()) + trainable * 4
         states = model_state_bytes(trainable, "fp32", recipe.optimizer, training=recipe.is_training)
-        components["gradients"], components["optimizer_state"] = (
-            states["gradients"],
-            states["optimizer_state"],
+        components[Component.GRADIENTS], components[Component.OPTIMIZER_STATE] = (
+            states[Component.GRADIENTS],
+            states[Component.OPTIMIZER_STATE],
         )
     else:
         trainable = params
@@ -235,17 +235,17 @@ def transformer_estimate(
         # logits in the compute dtype, then fp32 for the loss (the largest single tensors)
         terms["logits"] = seq * batch * shape.vocab * (act + 4 + 4) // t
         terms["embeddings"] = seq * batch * shape.hidden * act
-        components["activations"] = sum(terms.values())
+        components[Component.ACTIVATIONS] = sum(terms.values())
     else:
         terms["kv_cache"] = kv_cache_bytes(shape, seq, batch, act) // t
         terms["logits"] = seq * batch * shape.vocab * act // t
-        components["activations"] = terms["kv_cache"] + terms["logits"]
-    components["inputs"] = seq * batch * 8 * (2 if recipe.is_training else 1)
+        components[Component.ACTIVATIONS] = terms["kv_cache"] + terms["logits"]
+    components[Component.INPUTS] = seq * batch * 8 * (2 if recipe.is_training else 1)
     info = ModelInfo(
         name=name,
         parameters=params,
         trainable_parameters=trainable,
-        parameter_bytes=components["parameters"],
+        parameter_bytes=components[Component.PARAMETERS],
         kind="causal-lm",
         architecture=config.get("model_type", ""),
     )
@@ -259,7 +259,7 @@ def transformer_estimate(
         recipe=recipe,
         peak=Peak(
             allocated_bytes=sum(components.values()),
-            phase="backward" if recipe.is_training else "forward",
+            phase=Phase.BACKWARD if recipe.is_training else Phase.FORWARD,
         ),
         components=components,
         method="analytic",

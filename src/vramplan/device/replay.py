@@ -20,25 +20,25 @@ from vramplan.device.runtime import (
     uses_matmul,
 )
 from vramplan.device.verdict import judge
-from vramplan.result import Estimate
+from vramplan.result import Component, Estimate, Phase
 from vramplan.trace.events import Allocation, PhaseMark, Trace
 from vramplan.trace.summary import summarize_trace
 
 SPREAD = 4  # trace indices are spread out so workspaces can be slotted between events
 
 
-def _first_index(trace: Trace, phase: str) -> int | None:
+def _first_index(trace: Trace, phase: Phase) -> int | None:
     mark = next((m for m in trace.phases if m.phase == phase), None)
     return None if mark is None else mark.index
 
 
 def _workspace(
-    id_: int, nbytes: int, index: int, phase: str, iteration: int, op: str, free_index: int | None
+    id_: int, nbytes: int, index: int, phase: Phase, iteration: int, op: str, free_index: int | None
 ) -> Allocation:
     return Allocation(
         id=id_,
         nbytes=nbytes,
-        category="temporaries",
+        category=Component.TEMPORARIES,
         phase=phase,
         iteration=iteration,
         module="",
@@ -61,7 +61,7 @@ def device_trace(trace: Trace, gpu: GpuSpec, cudnn_benchmark: bool) -> Trace:
         for a in trace.allocations
     ]
     next_id = max((a.id for a in trace.allocations), default=-1) + 1
-    for phase in ("forward", "backward"):
+    for phase in (Phase.FORWARD, Phase.BACKWARD):
         start = _first_index(trace, phase)
         if start is None or not uses_matmul(trace, phase):
             continue

@@ -18,20 +18,9 @@ from importlib import resources
 
 from vramplan.device.catalog import GpuSpec
 from vramplan.device.profile import DeviceProfile
+from vramplan.ops import Library, library_of
+from vramplan.result import Phase
 from vramplan.trace.events import Trace
-
-_MATMULS = {
-    "mm",
-    "addmm",
-    "bmm",
-    "baddbmm",
-    "matmul",
-    "linear",
-    "addmv",
-    "mv",
-    "_scaled_mm",
-    "addbmm",
-}
 
 
 @cache
@@ -40,9 +29,9 @@ def runtime_table() -> dict:
     return json.loads((resources.files("vramplan") / "data" / "runtime.json").read_text())
 
 
-def uses_matmul(trace: Trace, phase: str) -> bool:
-    """Whether any cuBLAS-backed op ran in ``phase``."""
-    return any(p == phase and op in _MATMULS for (p, op) in trace.op_counts)
+def uses_matmul(trace: Trace, phase: Phase) -> bool:
+    """Whether any cuBLAS-backed op (``Library.MATMUL`` in the op registry) ran in ``phase``."""
+    return any(p == phase and library_of(op) is Library.MATMUL for (p, op) in trace.op_counts)
 
 
 def uses_convolution(trace: Trace) -> bool:
@@ -99,7 +88,7 @@ def outside_allocator(
     context = table["cuda_context"]["by_family"].get(
         gpu.family, table["cuda_context"]["default_bytes"]
     )
-    matmuls = uses_matmul(trace, "forward") or uses_matmul(trace, "backward")
+    matmuls = uses_matmul(trace, Phase.FORWARD) or uses_matmul(trace, Phase.BACKWARD)
     return OutsideAllocator(
         cuda_context=context,
         cublas_kernels=table["kernel_images"]["cublas_bytes"] if matmuls else 0,

@@ -26,7 +26,7 @@ from torch import nn
 from vramplan.distributed.layout import STATES, ParallelLayout
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
-from vramplan.result import Estimate
+from vramplan.result import Component, Estimate
 from vramplan.sources.blocks import repeated_blocks
 from vramplan.trace.recorder import AllocationRecorder, StorageRecord
 
@@ -122,9 +122,9 @@ def _classify(record: StorageRecord) -> None:
     """All-gather buffers and unsharded parameters are parameters (gathered); the
     reduce-scatter buffers carry gradients."""
     if "resized" in record.tags or record.op.startswith("all_gather:"):
-        record.tags.add("parameters")
+        record.tags.add(Component.PARAMETERS)
     elif record.op.startswith(("reduce_scatter:", "all_reduce:")):
-        record.tags.add("gradients")
+        record.tags.add(Component.GRADIENTS)
 
 
 @contextlib.contextmanager

@@ -24,10 +24,10 @@ from vramplan.distributed.zero import (
     zero3_model_states,
 )
 from vramplan.errors import UserError
-from vramplan.result import Estimate, Peak
+from vramplan.result import Component, Estimate, Peak, Phase
 
 SHARDS = ("none", "zero1", "zero2", "zero3", "fsdp", "fsdp-grad-op")
-STATES = ("parameters", "gradients", "optimizer_state")
+STATES = (Component.PARAMETERS, Component.GRADIENTS, Component.OPTIMIZER_STATE)
 
 
 @dataclass(frozen=True)
@@ -102,9 +102,9 @@ def _model_states(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> t
     largest = facts.largest_block_parameters // layout.tensor_parallel
     n = layout.data_parallel
     single = (
-        est.components["parameters"]
-        + est.components["gradients"]
-        + est.components["optimizer_state"]
+        est.components[Component.PARAMETERS]
+        + est.components[Component.GRADIENTS]
+        + est.components[Component.OPTIMIZER_STATE]
     ) // (layout.tensor_parallel * layout.pipeline_parallel)
     if layout.shard == "zero1":
         return zero1_model_states(psi, n).gpu_bytes, 0
@@ -121,7 +121,7 @@ def _model_states(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> t
         )
         return states.gpu_bytes, states.cpu_bytes
     per_param = single / max(1, psi)  # bytes per parameter in this recipe
-    param_bytes = est.components["parameters"] / max(1, facts.parameters)
+    param_bytes = est.components[Component.PARAMETERS] / max(1, facts.parameters)
     gathered = 2 if est.recipe.uses_autocast else param_bytes  # FSDP2 gathers in half
     if layout.shard == "fsdp":
         # FSDP2 full shard: states / N, the root group gathered throughout, the current and
@@ -158,7 +158,7 @@ def _cast_copies(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> tu
     return saved, total - saved
 
 
-def _rank_components(components: dict[str, int], phase: str, layout: ParallelLayout,
+def _rank_components(components: dict[str, int], phase: Phase, layout: ParallelLayout,
                      gpu_states: int, buckets: int, cast: tuple[int, int],
                      block_cast: int) -> dict[str, int]:
     """One phase's peak components as a rank holds them: model states by the sharding
@@ -168,7 +168,8 @@ def _rank_components(components: dict[str, int], phase: str, layout: ParallelLay
     in backward only the recomputed block's ``block_cast``; the optimizer step's
     temporaries (param-sized lists of a foreach step) follow the states each rank
     updates, and stay on the host when it is offloaded."""
-    kept = [k for k in STATES if not (layout.offload_optimizer and k == "optimizer_state")]
+    offloaded = Component.OPTIMIZER_STATE if layout.offload_optimizer else None
+    kept = [k for k in STATES if k != offloaded]
     states = sum(components[k] for k in kept)
     rank = dict(components)
     for name in STATES:
@@ -177,25 +178,25 @@ def _rank_components(components: dict[str, int], phase: str, layout: ParallelLay
         for name in kept:
             rank[name] = int(gpu_states * components[name] / states)
     else:
-        rank["parameters"] = gpu_states
+        rank[Component.PARAMETERS] = gpu_states
     share = _activation_share(layout)
-    cast_saved, cast_held = cast if phase != "optimizer" else (0, 0)
-    if phase == "backward" and cast_held:
+    cast_saved, cast_held = cast if phase != Phase.OPTIMIZER else (0, 0)
+    if phase == Phase.BACKWARD and cast_held:
         cast_held = block_cast
-    saved = min(cast_saved, components["activations"])
-    rank["activations"] = int((components["activations"] - saved) * share)
-    rank["inputs"] = int(components["inputs"] * share)
-    if phase == "optimizer" and layout.offload_optimizer:
-        rank["temporaries"] = buckets  # the step runs on the host (DeepSpeed's CPU Adam)
-    elif phase == "optimizer":
+    saved = min(cast_saved, components[Component.ACTIVATIONS])
+    rank[Component.ACTIVATIONS] = int((components[Component.ACTIVATIONS] - saved) * share)
+    rank[Component.INPUTS] = int(components[Component.INPUTS] * share)
+    if phase == Phase.OPTIMIZER and layout.offload_optimizer:
+        rank[Component.TEMPORARIES] = buckets  # the step runs on the host (DeepSpeed's CPU Adam)
+    elif phase == Phase.OPTIMIZER:
         sharded = layout.shard != "none"
         divisor = layout.tensor_parallel * layout.pipeline_parallel * (
             layout.data_parallel if sharded else 1)
-        rank["temporaries"] = components["temporaries"] // divisor + buckets
+        rank[Component.TEMPORARIES] = components[Component.TEMPORARIES] // divisor + buckets
     else:
         unmade = cast_held + cast_saved - saved
-        temporaries = max(0, components["temporaries"] - unmade)
-        rank["temporaries"] = int(temporaries * share) + buckets
+        temporaries = max(0, components[Component.TEMPORARIES] - unmade)
+        rank[Component.TEMPORARIES] = int(temporaries * share) + buckets
     return rank
 
 
@@ -213,7 +214,7 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
     block_cast = 2 * facts.largest_block_parameters if cast != (0, 0) else 0
     candidates = {phase: _rank_components(components, phase, layout, gpu_states, buckets,
                                           cast, block_cast)
-                  for phase, components in phases.items() if phase != "setup"}
+                  for phase, components in phases.items() if phase != Phase.SETUP}
     phase, components = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
     allocated = sum(components.values())
     fragmentation = (est.peak.reserved_bytes or est.peak.allocated_bytes) - est.peak.allocated_bytes

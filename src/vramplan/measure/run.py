@@ -24,6 +24,7 @@ from vramplan.errors import UserError
 from vramplan.measure.nvml import driver_version, nvml_used_bytes
 from vramplan.optimizers import build_optimizer
 from vramplan.recipe import Recipe
+from vramplan.result import Phase
 from vramplan.sources.base import BuiltModel
 from vramplan.trace.loop import run_steps
 from vramplan.trace.materialize import materialize, unique_parameters
@@ -77,12 +78,12 @@ class _PhaseClock:
     """Remembers the phase the loop is in and when each step ended."""
 
     def __init__(self) -> None:
-        self.phase, self.iteration = "setup", 0
+        self.phase, self.iteration = Phase.SETUP, 0
         self.step_ends: list[int] = []
         self.step_memory: list[int] = []
 
-    def mark(self, phase: str, iteration: int, live: int | None = None) -> None:
-        if phase == "forward" and iteration > self.iteration and self.iteration > 0:
+    def mark(self, phase: Phase, iteration: int, live: int | None = None) -> None:
+        if phase == Phase.FORWARD and iteration > self.iteration and self.iteration > 0:
             self.step_ends.append(time.time_ns())
             if live is not None:
                 self.step_memory.append(live)
@@ -119,7 +120,7 @@ def _run(
         iterations=steps,
         mark_phase=lambda phase, iteration: clock.mark(phase, iteration, live()),
     )
-    clock.mark("forward", steps + 1, live())
+    clock.mark(Phase.FORWARD, steps + 1, live())
 
 
 def local_card() -> GpuSpec:

@@ -13,7 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramplan.errors import UserError
-from vramplan.result import Estimate
+from vramplan.result import Component, Estimate
 
 # A CUDA PyTorch process holds its libraries (CUDA runtime, cuBLAS, cuDNN kernels for the
 # host side) before any model: about 2 GiB of RSS is typical [H; measure with `measure`].
@@ -65,7 +65,7 @@ def host_memory(
     """Host RAM for ``estimate``'s run: batches in flight are workers × prefetch factor
     (the main process prefetches two when there are no workers), each pinned again when
     ``pin_memory`` is on; offloaded optimizer state lives on the host."""
-    batch = estimate.details.get("input_bytes", estimate.components.get("inputs", 0))
+    batch = estimate.details.get("input_bytes", estimate.components.get(Component.INPUTS, 0))
     in_flight = max(1, options.workers) * options.prefetch_factor
     terms = {
         "process": PROCESS_BYTES,

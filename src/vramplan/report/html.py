@@ -18,15 +18,15 @@ import json
 from dataclasses import dataclass, field
 
 from vramplan.report.palette import COLOURS, LABELS
-from vramplan.result import COMPONENTS, Estimate
+from vramplan.result import COMPONENTS, Component, Estimate, Phase
 from vramplan.units import Units, format_bytes
 
 WIDTH = 1100
 PHASE_SHADES = {
-    "setup": "#f4f4f4",
-    "forward": "#e8f1fa",
-    "backward": "#fbeee6",
-    "optimizer": "#eef7f1",
+    Phase.SETUP: "#f4f4f4",
+    Phase.FORWARD: "#e8f1fa",
+    Phase.BACKWARD: "#fbeee6",
+    Phase.OPTIMIZER: "#eef7f1",
 }
 
 
@@ -212,8 +212,8 @@ def _batch_curve(curve: BatchCurve | None, units: Units) -> str:
     sy = lambda v: top_y + plot_h - v / top * plot_h  # noqa: E731
     parts = []
     for key, colour in (
-        ("allocated_bytes", COLOURS["activations"]),
-        ("device_total_bytes", COLOURS["parameters"]),
+        ("allocated_bytes", COLOURS[Component.ACTIVATIONS]),
+        ("device_total_bytes", COLOURS[Component.PARAMETERS]),
     ):
         coords = " ".join(f"{sx(p.batch_size):.1f},{sy(getattr(p, key)):.1f}" for p in curve.points)
         parts.append(

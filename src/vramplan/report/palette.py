@@ -1,25 +1,27 @@
 """Colours of the components: the Okabe–Ito palette, distinguishable with colour-blindness;
 every chart also labels its parts in words.
 
->>> COLOURS["activations"]
+>>> COLOURS[Component.ACTIVATIONS]
 '#D55E00'
 """
 
+from vramplan.result import Component
+
 COLOURS = {
-    "parameters": "#0072B2",
-    "buffers": "#56B4E9",
-    "gradients": "#009E73",
-    "optimizer_state": "#E69F00",
-    "activations": "#D55E00",
-    "temporaries": "#CC79A7",
-    "inputs": "#F0E442",
+    Component.PARAMETERS: "#0072B2",
+    Component.BUFFERS: "#56B4E9",
+    Component.GRADIENTS: "#009E73",
+    Component.OPTIMIZER_STATE: "#E69F00",
+    Component.ACTIVATIONS: "#D55E00",
+    Component.TEMPORARIES: "#CC79A7",
+    Component.INPUTS: "#F0E442",
 }
 LABELS = {
-    "parameters": "parameters",
-    "buffers": "buffers",
-    "gradients": "gradients",
-    "optimizer_state": "optimizer state",
-    "activations": "activations",
-    "temporaries": "temporaries / workspace",
-    "inputs": "input batch",
+    Component.PARAMETERS: "parameters",
+    Component.BUFFERS: "buffers",
+    Component.GRADIENTS: "gradients",
+    Component.OPTIMIZER_STATE: "optimizer state",
+    Component.ACTIVATIONS: "activations",
+    Component.TEMPORARIES: "temporaries / workspace",
+    Component.INPUTS: "input batch",
 }

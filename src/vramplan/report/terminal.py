@@ -11,17 +11,17 @@ from rich.text import Text
 
 from vramplan.report.bars import component_bar
 from vramplan.report.palette import COLOURS
-from vramplan.result import COMPONENTS, Estimate
+from vramplan.result import COMPONENTS, Component, Estimate
 from vramplan.units import Units, format_bytes, unit_name
 
 _LABELS = {
-    "parameters": "parameters",
-    "buffers": "buffers",
-    "gradients": "gradients",
-    "optimizer_state": "optimizer state",
-    "activations": "activations (saved for backward)",
-    "temporaries": "temporaries / workspace",
-    "inputs": "input batch",
+    Component.PARAMETERS: "parameters",
+    Component.BUFFERS: "buffers",
+    Component.GRADIENTS: "gradients",
+    Component.OPTIMIZER_STATE: "optimizer state",
+    Component.ACTIVATIONS: "activations (saved for backward)",
+    Component.TEMPORARIES: "temporaries / workspace",
+    Component.INPUTS: "input batch",
     "workspace": "workspace",
 }
 

@@ -11,10 +11,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from vramplan.result import Component, Phase
 from vramplan.trace.events import Allocation, PhaseMark
 from vramplan.trace.recorder import StorageRecord
 
-TAG_PRIORITY = ("parameters", "buffers", "optimizer_state", "gradients", "inputs")
+TAG_PRIORITY = (
+    Component.PARAMETERS,
+    Component.BUFFERS,
+    Component.OPTIMIZER_STATE,
+    Component.GRADIENTS,
+    Component.INPUTS,
+)
 
 
 def _phase_ends(phases: Sequence[PhaseMark], event_count: int) -> list[int]:
@@ -37,7 +44,7 @@ def _span_end(record: StorageRecord, phases: Sequence[PhaseMark], ends: list[int
     # A forward span may be cut into several marks (same phase, same iteration): join them.
     while (
         low + 1 < len(phases)
-        and phases[low + 1].phase == "forward"
+        and phases[low + 1].phase == Phase.FORWARD
         and phases[low + 1].iteration == phases[low].iteration
     ):
         low += 1
@@ -45,17 +52,17 @@ def _span_end(record: StorageRecord, phases: Sequence[PhaseMark], ends: list[int
     return end
 
 
-def category_of(record: StorageRecord, forward_span_end: int | None) -> str:
+def category_of(record: StorageRecord, forward_span_end: int | None) -> Component:
     for tag in TAG_PRIORITY:
         if tag in record.tags:
             return tag
     if (
-        record.phase == "forward"
+        record.phase == Phase.FORWARD
         and forward_span_end is not None
         and (record.free_index is None or record.free_index >= forward_span_end)
     ):
-        return "activations"
-    return "temporaries"
+        return Component.ACTIVATIONS
+    return Component.TEMPORARIES
 
 
 def categorize(
@@ -65,7 +72,7 @@ def categorize(
     ends = _phase_ends(phases, event_count)
     allocations = []
     for record in records:
-        span_end = _span_end(record, phases, ends) if record.phase == "forward" else None
+        span_end = _span_end(record, phases, ends) if record.phase == Phase.FORWARD else None
         allocations.append(
             Allocation(
                 id=record.id,

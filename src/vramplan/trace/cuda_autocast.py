@@ -21,96 +21,18 @@ from functools import cache
 import torch
 from torch.utils._pytree import tree_map
 
-# Policies by op base name, from autocast_mode.cpp (AutocastCUDA). Ops the installed
-# PyTorch registers for AutocastCUDA but that are not named here run in fp32 (the newer
-# entries, rms_norm and the upsample family, are fp32 ops).
-LOWER_PRECISION = frozenset(
-    {
-        "_convolution",
-        "conv1d",
-        "conv2d",
-        "conv3d",
-        "conv_tbc",
-        "conv_transpose1d",
-        "conv_transpose2d",
-        "conv_transpose3d",
-        "convolution",
-        "cudnn_convolution",
-        "cudnn_convolution_transpose",
-        "prelu",
-        "addmm",
-        "addmv",
-        "addr",
-        "matmul",
-        "einsum",
-        "mm",
-        "mv",
-        "linalg_vecdot",
-        "linear",
-        "addbmm",
-        "baddbmm",
-        "bmm",
-        "chain_matmul",
-        "linalg_multi_dot",
-        "_thnn_fused_lstm_cell",
-        "_thnn_fused_gru_cell",
-        "lstm_cell",
-        "gru_cell",
-        "rnn_tanh_cell",
-        "rnn_relu_cell",
-        "_scaled_dot_product_flash_attention",
-        "scaled_dot_product_attention",
-        "_cudnn_rnn",
-        "lstm",
-        "gru",
-    }
-)
-FP32_SET_OPT_DTYPE = frozenset(
-    {
-        "prod",
-        "softmax",
-        "log_softmax",
-        "cumprod",
-        "cumsum",
-        "linalg_vector_norm",
-        "linalg_matrix_norm",
-        "sum",
-    }
-)
-PROMOTE = frozenset(
-    {
-        "addcdiv",
-        "addcmul",
-        "atan2",
-        "bilinear",
-        "cross",
-        "dot",
-        "grid_sampler",
-        "index_put",
-        "tensordot",
-        "scatter_add",
-        "vdot",
-    }
-)
-BANNED = frozenset({"binary_cross_entropy"})
+from vramplan.ops import Autocast, autocast_of
 
 
-def policy_of(op_name: str) -> str:
-    """``lower``, ``fp32``, ``fp32_set_opt_dtype``, ``promote`` or ``banned``.
+def policy_of(op_name: str) -> Autocast:
+    """The op's class in CUDA's autocast lists (the op registry, ``vramplan.ops.cuda``);
+    an op the installed PyTorch registers for AutocastCUDA but the lists do not name runs
+    in fp32 (the newer entries, rms_norm and the upsample family, are fp32 ops).
 
-    >>> policy_of("aten::layer_norm"), policy_of("aten::softmax.int"), policy_of("aten::mm")
-    ('fp32', 'fp32_set_opt_dtype', 'lower')
+    >>> [str(policy_of(n)) for n in ("aten::layer_norm", "aten::softmax.int", "aten::mm")]
+    ['fp32', 'fp32_set_opt_dtype', 'lower']
     """
-    base = op_name.removeprefix("aten::").split(".")[0]
-    if base in LOWER_PRECISION:
-        return "lower"
-    if base in FP32_SET_OPT_DTYPE:
-        return "fp32_set_opt_dtype"
-    if base in PROMOTE:
-        return "promote"
-    if base in BANNED:
-        return "banned"
-    return "fp32"
+    return autocast_of(op_name) or Autocast.FP32
 
 
 @cache
@@ -165,24 +87,24 @@ class Caster:
         )
 
 
-def _kernel(op, policy: str, caster: Caster):
+def _kernel(op, policy: Autocast, caster: Caster):
     exclude = torch._C.DispatchKeySet(torch._C.DispatchKey.AutocastCPU)
     dtype_positions = [i for i, arg in enumerate(op._schema.arguments) if arg.name == "dtype"]
 
     def run(*args, **kwargs):
         with torch._C._ExcludeDispatchKeyGuard(exclude):
-            if policy == "lower":
+            if policy is Autocast.LOWER_PRECISION:
                 args, kwargs = tree_map(caster.to_lower, (args, kwargs))
-            elif policy == "fp32":
+            elif policy is Autocast.FP32:
                 args, kwargs = tree_map(caster.to_fp32, (args, kwargs))
-            elif policy == "fp32_set_opt_dtype":
+            elif policy is Autocast.FP32_SET_OPT_DTYPE:
                 first = next((a for a in args if isinstance(a, torch.Tensor)), None)
                 given = kwargs.get("dtype") is not None or any(
                     i < len(args) and args[i] is not None for i in dtype_positions
                 )
                 if first is not None and _eligible(first) and not given and dtype_positions:
                     kwargs = {**kwargs, "dtype": torch.float32}
-            elif policy == "promote":
+            elif policy is Autocast.PROMOTE:
                 floats = [a.dtype for a in tree_map(lambda v: v, list(args)) if _eligible(a)]
                 widest = torch.float32 if torch.float32 in floats else None
                 if widest is not None:

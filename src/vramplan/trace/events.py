@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from vramplan.result import Component, Phase
+
 
 @dataclass(frozen=True)
 class Allocation:
@@ -27,8 +29,8 @@ class Allocation:
 
     id: int
     nbytes: int
-    category: str
-    phase: str
+    category: Component
+    phase: Phase
     iteration: int
     module: str
     op: str
@@ -42,7 +44,7 @@ class PhaseMark:
     """From event ``index`` on, the step is in ``phase`` of ``iteration``."""
 
     index: int
-    phase: str
+    phase: Phase
     iteration: int
 
 

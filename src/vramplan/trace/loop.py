@@ -14,6 +14,7 @@ from collections.abc import Callable
 import torch
 
 from vramplan.recipe import Recipe
+from vramplan.result import Phase
 from vramplan.sources.base import Batch, BuiltModel
 
 ITERATIONS = 2
@@ -21,7 +22,7 @@ ITERATIONS = 2
 # memory repeats (the gradients already exist), so running more changes nothing.
 MAX_MICRO_STEPS = 2
 
-PhaseMarker = Callable[[str, int], None]
+PhaseMarker = Callable[[Phase, int], None]
 
 
 def micro_steps(recipe: Recipe) -> int:
@@ -45,21 +46,21 @@ def run_steps(
     ``zero_grad(set_to_none=True)``; inference runs forward under ``no_grad`` only."""
     for iteration in range(1, iterations + 1):
         if not recipe.is_training:
-            mark_phase("forward", iteration)
+            mark_phase(Phase.FORWARD, iteration)
             with torch.no_grad(), autocast():
                 output = built.run(model, batch, False)
             del output
             continue
         for _ in range(micro_steps(recipe)):
-            mark_phase("forward", iteration)
+            mark_phase(Phase.FORWARD, iteration)
             with autocast():
                 loss = built.run(model, batch, True)
             if recipe.grad_accum > 1:
                 loss = loss / recipe.grad_accum
-            mark_phase("backward", iteration)
+            mark_phase(Phase.BACKWARD, iteration)
             loss.backward()
             del loss
-        mark_phase("optimizer", iteration)
+        mark_phase(Phase.OPTIMIZER, iteration)
         if optimizer is not None:
             optimizer.step()
             after_optimizer()

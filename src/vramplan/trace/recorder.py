@@ -20,16 +20,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from vramplan.ops import Library, library_of
+from vramplan.result import Phase
 from vramplan.trace.events import PhaseMark
 from vramplan.trace.modules import ModuleStack
-
-_CONVOLUTIONS = (
-    "convolution",
-    "convolution_backward",
-    "cudnn_convolution",
-    "_convolution",
-    "convolution_overrideable",
-)
 
 
 @dataclass(frozen=True)
@@ -37,7 +31,7 @@ class OpMarker:
     """Where a library-backed op ran: after event ``index``, with its tensor bytes."""
 
     index: int
-    phase: str
+    phase: Phase
     op: str
     input_bytes: int
     output_bytes: int
@@ -56,7 +50,7 @@ class StorageRecord:
     id: int
     key: int
     nbytes: int
-    phase: str
+    phase: Phase
     iteration: int
     module: str
     op: str
@@ -88,7 +82,7 @@ class AllocationRecorder(TorchDispatchMode):
         super().__init__()
         self.records: list[StorageRecord] = []
         self.live: dict[int, StorageRecord] = {}
-        self.phases: list[PhaseMark] = [PhaseMark(0, "setup", 0)]
+        self.phases: list[PhaseMark] = [PhaseMark(0, Phase.SETUP, 0)]
         self.event_count = 0
         self.modules = modules or ModuleStack()
         self._optimizer_depth = 0
@@ -101,7 +95,7 @@ class AllocationRecorder(TorchDispatchMode):
         """What the current side stream is for; prefixes the op names it allocates."""
 
     # -- phases -----------------------------------------------------------------------
-    def set_phase(self, phase: str, iteration: int) -> None:
+    def set_phase(self, phase: Phase, iteration: int) -> None:
         """Mark that the step enters ``phase`` of ``iteration`` from the next event on."""
         last = self.phases[-1]
         if (last.phase, last.iteration) == (phase, iteration):
@@ -117,13 +111,13 @@ class AllocationRecorder(TorchDispatchMode):
     def leave_optimizer(self) -> None:
         self._optimizer_depth = max(0, self._optimizer_depth - 1)
 
-    def current_phase(self) -> tuple[str, int]:
+    def current_phase(self) -> tuple[Phase, int]:
         """Backward while the autograd engine runs, optimizer inside ``step()``, else the mark."""
         mark = self.phases[-1]
         if torch._C._current_graph_task_id() != -1:
-            return "backward", mark.iteration
+            return Phase.BACKWARD, mark.iteration
         if self._optimizer_depth:
-            return "optimizer", mark.iteration
+            return Phase.OPTIMIZER, mark.iteration
         return mark.phase, mark.iteration
 
     # -- storages ---------------------------------------------------------------------
@@ -192,7 +186,7 @@ class AllocationRecorder(TorchDispatchMode):
             record.free_index = self.event_count
             self.event_count += 1
 
-    def _sync_phase_mark(self, phase: str, iteration: int) -> None:
+    def _sync_phase_mark(self, phase: Phase, iteration: int) -> None:
         last = self.phases[-1]
         if (last.phase, last.iteration) != (phase, iteration):
             self.phases.append(PhaseMark(self.event_count, phase, iteration))
@@ -210,7 +204,7 @@ class AllocationRecorder(TorchDispatchMode):
         for item in tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor) and item.device.type != "meta":
                 self.track(item, name)
-        if name in _CONVOLUTIONS:
+        if library_of(func) is Library.CONVOLUTION:  # cuDNN: a workspace marker
             self.markers.append(
                 OpMarker(
                     self.event_count - 1,

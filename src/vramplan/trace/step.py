@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from vramplan.optimizers import build_optimizer, optimizer_state_tensors
 from vramplan.recipe import Recipe
+from vramplan.result import Component, Phase
 from vramplan.sources.base import BuiltModel
 from vramplan.trace.categorize import categorize
 from vramplan.trace.errors import explain_failure
@@ -51,7 +52,7 @@ def _tag_optimizer_state(recorder: AllocationRecorder, optimizer) -> None:
         if record is None:
             continue
         # A 0-dim ``step`` counter lives on the host on CUDA (not capturable, not fused).
-        record.tags.add("host" if tensor.dim() == 0 else "optimizer_state")
+        record.tags.add("host" if tensor.dim() == 0 else Component.OPTIMIZER_STATE)
 
 
 @contextlib.contextmanager
@@ -63,7 +64,7 @@ def _optimizer_phase_hooks(recorder: AllocationRecorder, optimizers: list) -> It
         recorder.enter_optimizer()
         # Gradients an engine assigned itself (FSDP's sharded gradients) had no hook.
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
-        _tag(recorder, grads, "gradients")  # _tag skips the missing (None) ones
+        _tag(recorder, grads, Component.GRADIENTS)  # _tag skips the missing (None) ones
 
     def after(optimizer, *_args, **_kwargs) -> None:
         recorder.leave_optimizer()
@@ -105,17 +106,17 @@ class TracingSession:
                 self.fake.allow_non_fake_inputs = False
             engine.initialise(model)
         params = unique_parameters(model)
-        _tag(self.recorder, params, "parameters")
-        _tag(self.recorder, model.buffers(), "buffers")
+        _tag(self.recorder, params, Component.PARAMETERS)
+        _tag(self.recorder, model.buffers(), Component.BUFFERS)
         for param in params:
             if param.requires_grad:
                 param.register_post_accumulate_grad_hook(
-                    lambda p: _tag(self.recorder, [p.grad], "gradients")
+                    lambda p: _tag(self.recorder, [p.grad], Component.GRADIENTS)
                 )
         return params
 
     def tag_inputs(self, batch: Any) -> None:
-        _tag(self.recorder, tree_flatten(batch)[0], "inputs")
+        _tag(self.recorder, tree_flatten(batch)[0], Component.INPUTS)
 
     def finish(self) -> Trace:
         """Freeze what was recorded into a Trace."""
@@ -266,7 +267,7 @@ def trace_step_function(
         if optimizer is not None:
             _tag_optimizer_state(session.recorder, optimizer)
         for iteration in range(1, iterations + 1):
-            session.recorder.set_phase("forward", iteration)
+            session.recorder.set_phase(Phase.FORWARD, iteration)
             session.modules.reset()
             with policy.autocast(recipe):
                 step_fn(model, fake_batch, optimizer)

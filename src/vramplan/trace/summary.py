@@ -16,7 +16,14 @@ from __future__ import annotations
 from collections import defaultdict
 from dataclasses import dataclass
 
-from vramplan.result import COMPONENTS, ModuleUsage, Peak, TimelinePoint, empty_components
+from vramplan.result import (
+    COMPONENTS,
+    Component,
+    ModuleUsage,
+    Peak,
+    TimelinePoint,
+    empty_components,
+)
 from vramplan.trace.events import Trace
 
 TIMELINE_POINTS = 400
@@ -84,7 +91,7 @@ def summarize_trace(trace: Trace, module_kinds: dict[str, str] | None = None) ->
 
     by_module: dict[str, int] = defaultdict(int)
     for alloc in trace.live_at(peak_index):
-        if alloc.category == "activations":
+        if alloc.category == Component.ACTIVATIONS:
             by_module[alloc.module or "(outside modules)"] += alloc.nbytes
     kinds = module_kinds or {}
     top = sorted(by_module.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_MODULES]
