@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 from vramplan.device.catalog import lookup_gpu
-from vramplan.device.options import DEFAULT_GPU, device_options
 from vramplan.device.measured import measured_for
+from vramplan.device.options import DEFAULT_GPU, device_options
 from vramplan.device.profile import profile_for
 from vramplan.distributed.facts import facts_of
 from vramplan.distributed.fsdp import engine_for, with_traced_layout

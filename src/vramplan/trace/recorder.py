@@ -72,7 +72,7 @@ def conv_fields(func, args, kwargs, out) -> dict:
         names = [a.name for a in func._schema.arguments]
     except AttributeError:
         return {}
-    bound = dict(zip(names, args))
+    bound = dict(zip(names, args, strict=False))
     bound.update(kwargs or {})
     x = bound.get("input", bound.get("self"))
     weight = bound.get("weight")
@@ -80,9 +80,8 @@ def conv_fields(func, args, kwargs, out) -> dict:
         return {}
     mask = bound.get("output_mask")
     if mask is not None:
-        passes = tuple(
-            name for name, on in zip(("backward_data", "backward_filter"), mask) if on
-        )
+        wanted = zip(("backward_data", "backward_filter"), mask[:2], strict=True)
+        passes = tuple(name for name, on in wanted if on)
         y = bound.get("grad_output")
     else:
         passes = ("forward",)
