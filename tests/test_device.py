@@ -88,16 +88,20 @@ def test_figures_are_ordered_and_verdict_follows(run_cli, tiny_gpt2):
     assert peak["allocated_bytes"] <= peak["reserved_bytes"] <= peak["device_total_bytes"]
     assert sum(data["components"].values()) == peak["allocated_bytes"]
     verdict = data["verdict"]
-    assert verdict["gpu"] == "A100-40GB" and verdict["capacity_bytes"] == 40960 * 2**20
+    assert verdict["gpu"] == "A100-40GB" and verdict["capacity_bytes"] == (40960 - 424) * 2**20
     assert verdict["usable_bytes"] == int(verdict["capacity_bytes"] * 0.9)
     assert verdict["status"] == "fits"
-    assert verdict["compared_bytes"] == peak["device_total_bytes"]
+    # the verdict reads the high end of the range, less the driver reserve nvml-v1 counts
+    low, high = peak["device_total_range_bytes"]
+    assert low <= peak["device_total_bytes"] <= high
+    assert verdict["compared_bytes"] == high - data["runtime"]["driver_reserved"]
     runtime = data["runtime"]
     assert peak["device_total_bytes"] - peak["reserved_bytes"] == (
         runtime["cuda_context"]
         + runtime["cublas_kernels"]
         + runtime["cudnn_kernels"]
         + runtime["nccl"]
+        + runtime["driver_reserved"]
     )
     # one cuBLAS + one cuBLASLt workspace for forward and again for backward (two threads)
     table = runtime_table()
@@ -122,8 +126,9 @@ def test_allocated_counts_block_sizes(run_cli, tiny_gpt2):
 
 def test_headroom_moves_fits_to_tight_and_oom_exits_3(run_cli, tiny_gpt2):
     _, out, _ = run_cli("estimate", tiny_gpt2, "--seq-len", "32", "--json")
-    total = json.loads(out)["peak"]["device_total_bytes"]
-    card = f"{int(total / 0.95)}B"  # the step fills 95% of this card
+    data = json.loads(out)
+    total = data["peak"]["device_total_range_bytes"][1] - data["runtime"]["driver_reserved"]
+    card = f"{int(total / 0.95)}B"  # the high end of the step fills 95% of this card
     code, out, _ = run_cli(
         "estimate",
         tiny_gpt2,

@@ -115,7 +115,7 @@ def test_gpus_needed_is_the_smallest_that_fits(llama):
     spec, _, facts = llama
     recipe = Recipe(batch_size=2, seq_len=64, precision="amp-bf16")
     tight = estimate_built(
-        resolve(spec, recipe), recipe, "cuda", device_options(gpu_memory="760MiB", headroom=0.0)
+        resolve(spec, recipe), recipe, "cuda", device_options(gpu_memory="1540MiB", headroom=0.0)
     )
     answer = gpus_needed(tight, facts)
     assert answer.estimate.verdict.status == "fits"

@@ -45,6 +45,8 @@ SESSION_OPTIONS = (
     "alloc_conf",
     "cudnn_benchmark",
     "profile",
+    "stack",
+    "used_counter",
     "target",
     "framework",
     "example_batch",

@@ -119,6 +119,9 @@ class Peak:
     reserved_bytes: int | None = None
     device_total_bytes: int | None = None
     fragmentation_bytes: int | None = None
+    reserved_range_bytes: tuple[int, int] | None = None
+    """[low, high] of the reserved peak over the named unknowns (``details["range"]``)."""
+    device_total_range_bytes: tuple[int, int] | None = None
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -130,6 +133,10 @@ class Peak:
             value = getattr(self, name)
             if value is not None:
                 data[name] = value
+        for name in ("reserved_range_bytes", "device_total_range_bytes"):
+            value = getattr(self, name)
+            if value is not None:
+                data[name] = list(value)
         return data
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from vramplan.device.catalog import lookup_gpu
+from vramplan.device.measured import measured_for
 from vramplan.device.options import DEFAULT_GPU, device_options
 from vramplan.device.profile import profile_for
 from vramplan.distributed.facts import facts_of
@@ -70,6 +71,8 @@ class Session:
         alloc_conf: str | None = None,
         cudnn_benchmark: bool = False,
         profile: str | None = None,
+        stack: str | None = None,
+        used_counter: str = "nvml-v1",
         target: str = "cuda",
         framework: str = "pytorch",
         example_batch: Any = None,
@@ -84,7 +87,8 @@ class Session:
         self.target = target
         self.framework = framework
         self.device = device_options(
-            gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark, profile=profile
+            gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark, profile=profile,
+            stack=stack, used_counter=used_counter,
         )
         self._example_batch = example_batch
         self._loss_fn = loss_fn
@@ -166,7 +170,10 @@ class Session:
         if device == "cuda":
             card = local_card()
             options = replace(
-                self.device, gpu=card, profile=self.device.profile or profile_for(card.name)
+                self.device,
+                gpu=card,
+                profile=self.device.profile or profile_for(card.name),
+                measured=measured_for(card.name, self.device.software.slug),
             )
             estimate = estimate_built(self._build(recipe), recipe, "cuda", options)
         else:

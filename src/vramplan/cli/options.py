@@ -103,6 +103,22 @@ AllocConfOpt = Annotated[
 CudnnBenchmarkOpt = Annotated[
     bool, typer.Option("--cudnn-benchmark", help="Emulate torch.backends.cudnn.benchmark=True.")
 ]
+StackOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--stack",
+        help="The PyTorch + CUDA stack to emulate, like torch2.14-cu12.8 (default: the "
+        "installed torch). Sets lazy vs eager module loading and picks measured tables.",
+    ),
+]
+UsedCounterOpt = Annotated[
+    str,
+    typer.Option(
+        "--used-counter",
+        help="Which 'used' the device total matches: nvml-v1 (pynvml's default, nvidia-smi "
+        "before R510: counts the driver-reserved framebuffer) or nvml-v2 (does not).",
+    ),
+]
 FrameworkOpt = Annotated[
     str,
     typer.Option(

@@ -192,6 +192,15 @@ class CachingAllocator:
         self._note_peaks()
         return block
 
+    def largest_free(self, stream: int = 0) -> int:
+        """The largest cached free block of ``stream`` (``cacheInfo``'s max block)."""
+        sizes = [k[1] for pool in (self.small, self.large) for k in pool.keys if k[0] == stream]
+        return max(sizes, default=0)
+
+    def empty_cache(self) -> None:
+        """``torch.cuda.empty_cache()``."""
+        self._release_cached()
+
     def free(self, block: Block, requested: int = 0) -> None:
         """Return a block to its pool, merging it with free neighbours."""
         block.allocated = False
@@ -396,6 +405,12 @@ class Request:
     size: int
     is_alloc: bool
     stream: int = 0
+    empty_cache: bool = False
+    """``torch.cuda.empty_cache()`` (cuDNN's benchmark calls it after timing its plans):
+    release every cached segment that holds no allocated block."""
+    candidates: tuple[int, ...] = ()
+    """cuDNN benchmark: allocate the largest candidate that fits
+    ``max(device free, largest cached block)`` (``size`` is ignored)."""
 
 
 @dataclass(frozen=True)
@@ -415,9 +430,14 @@ class ReplayResult:
 
 
 def replay(
-    requests: list[Request], config: AllocatorConfig, capacity: int | None = None
+    requests: list[Request],
+    config: AllocatorConfig,
+    capacity: int | None = None,
+    device_free: int | None = None,
 ) -> ReplayResult:
     """Feed requests to a simulated allocator; stop at the first out-of-memory error.
+    ``device_free`` bounds what cuDNN's benchmark sees as free device memory when no
+    ``capacity`` is set (``None``: unbounded).
 
     >>> result = replay([Request(0, 3 * 2**20, True), Request(0, 3 * 2**20, False)],
     ...                 AllocatorConfig())
@@ -427,15 +447,24 @@ def replay(
     allocator = CachingAllocator(config, capacity)
     live: dict[int, tuple[Block, int]] = {}
     sizes: dict[int, int] = {}
+    limit = capacity if capacity is not None else device_free
     for position, request in enumerate(requests):
-        if request.size == 0:
+        if request.empty_cache:
+            allocator.empty_cache()
+            continue
+        size = request.size
+        if request.candidates:
+            free = math.inf if limit is None else limit - allocator.stats.reserved
+            available = max(free, allocator.largest_free(request.stream))
+            size = max((c for c in request.candidates if c <= available), default=0)
+        if size == 0:
             continue
         if request.is_alloc:
             try:
-                block = allocator.malloc(request.size, request.stream)
+                block = allocator.malloc(size, request.stream)
             except OutOfMemory:
                 return ReplayResult(allocator.stats, sizes, oom_at=position)
-            live[request.key] = (block, request.size)
+            live[request.key] = (block, size)
             sizes[request.key] = block.size
         elif request.key in live:
             block, size = live.pop(request.key)

@@ -35,6 +35,9 @@ class DeviceProfile:
     torch: str
     cuda_context_bytes: int
     cublas_workspace_bytes: int
+    cudnn_loaded: bool = True
+    """Whether the measured context includes cuDNN's kernels (``calibrate`` runs a
+    convolution, so it does; a floor read from a model without one does not)."""
 
     def to_json(self) -> dict:
         return {"schema": "vramplan.profile/1", **asdict(self)}

@@ -7,15 +7,17 @@ judge the result against a card.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 from vramplan.device.allocator import AllocatorConfig, Request, replay
 from vramplan.device.catalog import GpuSpec
+from vramplan.device.cudnn import ConvCase, Workspace, cases_of, engine_workspace
+from vramplan.device.measured import measured_for
 from vramplan.device.options import DeviceOptions
 from vramplan.device.runtime import (
-    conv_workspace_ratio,
     cublas_workspace_bytes,
     cublaslt_workspace_bytes,
+    driver_reserved_bytes,
     outside_allocator,
     uses_matmul,
 )
@@ -24,7 +26,32 @@ from vramplan.result import Component, Estimate, Phase
 from vramplan.trace.events import Allocation, PhaseMark, Trace
 from vramplan.trace.summary import summarize_trace
 
-SPREAD = 4  # trace indices are spread out so workspaces can be slotted between events
+SPREAD = 16  # trace indices are spread out so workspaces can be slotted between events
+VARIANTS = ("central", "low", "high")
+WORKSPACE = "cudnn_workspace"
+FIND = "cudnn_benchmark_find"
+EMPTY_CACHE = "cudnn_empty_cache"
+
+
+@dataclass(frozen=True)
+class DeviceTrace:
+    """A trace as the GPU runs it, with what the allocator replay needs beyond sizes: the
+    candidate workspaces of cuDNN benchmark searches and the cache-emptying events."""
+
+    trace: Trace
+    candidates: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    empty_cache: frozenset[int] = frozenset()
+    workspaces: dict[ConvCase, Workspace] = field(default_factory=dict)
+
+
+def conv_workspace(case: ConvCase, benchmark: bool, measured=None) -> Workspace:
+    """The workspace of one cuDNN call: the measured table's when it holds the
+    configuration, else the engine model's."""
+    model = engine_workspace(case)
+    size = measured.workspace(case, benchmark) if measured is not None else None
+    if size is None:
+        return model
+    return Workspace(size, size, size, (*model.candidates, size), "measured", measured=True)
 
 
 def _first_index(trace: Trace, phase: Phase) -> int | None:
@@ -48,10 +75,19 @@ def _workspace(
     )
 
 
-def device_trace(trace: Trace, gpu: GpuSpec, cudnn_benchmark: bool) -> Trace:
+def device_trace(
+    trace: Trace,
+    gpu: GpuSpec,
+    cudnn_benchmark: bool,
+    variant: str = "central",
+    measured=None,
+) -> DeviceTrace:
     """The trace as the GPU sees it: cuBLAS/cuBLASLt workspaces created at the first matmul
-    of forward and of backward (one handle per thread, kept), and a transient cuDNN
-    workspace around every convolution."""
+    of forward and of backward (one handle per thread, kept), and around every cuDNN call
+    (a forward; a backward's data and filter passes) its workspace, allocated and freed
+    (``variant`` picks the low / central / high engine reading). With benchmark on, the
+    first call of each configuration first times candidates with the largest workspace
+    that fits, then empties the cache; later calls allocate the cached plan's size."""
     allocations = [
         replace(
             a,
@@ -75,77 +111,182 @@ def device_trace(trace: Trace, gpu: GpuSpec, cudnn_benchmark: bool) -> Trace:
                     _workspace(next_id, nbytes, start * SPREAD - 1, phase, iteration, op, None)
                 )
                 next_id += 1
-    ratio = conv_workspace_ratio(cudnn_benchmark)
+    candidates: dict[int, tuple[int, ...]] = {}
+    empties: set[int] = set()
+    workspaces: dict[ConvCase, Workspace] = {}
     for marker in trace.markers:
-        nbytes = int(ratio * max(marker.input_bytes, marker.output_bytes))
-        if nbytes:
-            index = marker.index * SPREAD + 1
-            mark = trace.phase_at(marker.index)
-            allocations.append(
-                _workspace(
-                    next_id,
-                    nbytes,
-                    index,
-                    marker.phase,
-                    mark.iteration,
-                    "cudnn_workspace",
-                    index + 1,
+        slot = marker.index * SPREAD + 1
+        iteration = trace.phase_at(marker.index).iteration
+        for case in cases_of(marker):
+            if case not in workspaces:
+                workspace = conv_workspace(case, cudnn_benchmark, measured)
+                if cudnn_benchmark:  # the search: time candidates, then emptyCache()
+                    allocations.append(
+                        _workspace(next_id, max(workspace.candidates), slot, marker.phase,
+                                   iteration, FIND, slot + 1)
+                    )
+                    candidates[next_id] = workspace.candidates
+                    empties.add(next_id + 1)
+                    allocations.append(
+                        _workspace(next_id + 1, 0, slot + 2, marker.phase, iteration,
+                                   EMPTY_CACHE, None)
+                    )
+                    next_id += 2
+                    slot += 3
+                workspaces[case] = workspace
+            nbytes = workspaces[case].pick(variant)
+            if nbytes:
+                allocations.append(
+                    _workspace(next_id, nbytes, slot, marker.phase, iteration, WORKSPACE,
+                               slot + 1)
                 )
-            )
-            next_id += 1
+                next_id += 1
+            slot += 2
     phases = tuple(
         PhaseMark(max(0, m.index * SPREAD - 1) if m.index else 0, m.phase, m.iteration)
         for m in trace.phases
     )
-    return replace(
+    on_device = replace(
         trace, allocations=tuple(allocations), phases=phases, event_count=trace.event_count * SPREAD
     )
+    return DeviceTrace(on_device, candidates, frozenset(empties), workspaces)
 
 
-def requests_of(trace: Trace) -> list[Request]:
-    """The allocator requests of a trace, in order."""
-    return [
-        Request(e.allocation.id, e.allocation.nbytes, e.is_alloc, e.allocation.stream)
-        for e in trace.events()
+def requests_of(on_device: DeviceTrace | Trace) -> list[Request]:
+    """The allocator requests of a (device) trace, in order."""
+    if isinstance(on_device, Trace):
+        on_device = DeviceTrace(on_device)
+    requests = []
+    for e in on_device.trace.events():
+        a = e.allocation
+        if a.id in on_device.empty_cache:
+            requests.append(Request(a.id, 0, False, a.stream, empty_cache=True))
+        else:
+            candidates = on_device.candidates.get(a.id, ()) if e.is_alloc else ()
+            requests.append(Request(a.id, a.nbytes, e.is_alloc, a.stream, candidates=candidates))
+    return requests
+
+
+@dataclass(frozen=True)
+class _Run:
+    """One replay of the step under one reading of the unknowns."""
+
+    on_device: DeviceTrace
+    outside: object
+    result: object
+
+    @property
+    def reserved(self) -> int:
+        return self.result.stats.peak_reserved
+
+
+def _replays(trace: Trace, options: DeviceOptions, config: AllocatorConfig, usable: int):
+    """The central, low and high replays (the workspace replays are shared when no
+    convolution's reading differs)."""
+    gpu = options.card
+    runs: dict[str, _Run] = {}
+    for variant in VARIANTS:
+        outside = outside_allocator(
+            trace, gpu, options.data_parallel, options.profile, options.software, variant,
+            options.measured,
+        )
+        central = runs.get("central")
+        if central is not None and all(
+            w.pick(variant) == w.central for w in central.on_device.workspaces.values()
+        ):
+            runs[variant] = _Run(central.on_device, outside, central.result)
+            continue
+        on_device = device_trace(
+            trace, gpu, options.cudnn_benchmark, variant, options.measured
+        )
+        result = replay(requests_of(on_device), config, device_free=usable - outside.total)
+        runs[variant] = _Run(on_device, outside, result)
+    return runs
+
+
+def _range(runs: dict[str, _Run], counted_reserve: int) -> tuple[list[int], list[int], dict]:
+    """[low, high] of reserved and device total, and each unknown's share of the width."""
+    central, low, high = runs["central"], runs["low"], runs["high"]
+    reserved = [min(low.reserved, central.reserved), max(high.reserved, central.reserved)]
+    outside = [
+        min(low.outside.total, central.outside.total),
+        max(high.outside.total, central.outside.total),
     ]
+    total = [reserved[0] + outside[0] + counted_reserve, reserved[1] + outside[1] + counted_reserve]
+    terms = {
+        "cudnn_workspace": [reserved[0] - central.reserved, reserved[1] - central.reserved],
+        "floor": [outside[0] - central.outside.total, outside[1] - central.outside.total],
+    }
+    widest = max(terms, key=lambda k: terms[k][1] - terms[k][0])
+    if terms[widest][1] == terms[widest][0]:
+        widest = ""
+    return reserved, total, {"widest": widest, "terms": terms}
+
+
+SETTLES = {
+    "cudnn_workspace": "which cuDNN engines the convolutions pick (their workspaces)",
+    "floor": "the CUDA context and the kernels cuBLAS/cuDNN load on this card and stack",
+}
 
 
 def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Estimate:
-    """Fill the reserved peak, the device total, the runtime terms and (with a GPU) the
-    verdict. Allocated bytes and components become block sizes, as
-    ``torch.cuda.max_memory_allocated`` counts them."""
+    """Fill the reserved peak, the device total (with its [low, high] range), the runtime
+    terms and (with a GPU) the verdict, read at the high end. Allocated bytes and
+    components become block sizes, as ``torch.cuda.max_memory_allocated`` counts them."""
     gpu = options.card
     config = AllocatorConfig.parse(options.alloc_conf)
-    on_device = device_trace(trace, gpu, options.cudnn_benchmark)
-    requests = requests_of(on_device)
-    unlimited = replay(requests, config)
+    measured = options.measured
+    if measured is None and options.gpu is not None:
+        measured = measured_for(gpu.name, options.software.slug)
+        options = replace(options, measured=measured)
+    reserve = driver_reserved_bytes(gpu, measured)
+    total = measured.nvml.get("total_bytes", gpu.total_bytes) if measured else gpu.total_bytes
+    usable = total - reserve
+    counted_reserve = reserve if options.used_counter == "nvml-v1" else 0
+
+    runs = _replays(trace, options, config, usable)
+    central = runs["central"]
+    on_device, outside, unlimited = central.on_device, central.outside, central.result
     rounded = replace(
-        on_device,
+        on_device.trace,
         allocations=tuple(
-            replace(a, nbytes=unlimited.block_sizes.get(a.id, a.nbytes))
-            for a in on_device.allocations
+            replace(
+                a,
+                nbytes=unlimited.block_sizes.get(
+                    a.id, 0 if a.id in on_device.candidates else a.nbytes
+                ),
+            )
+            for a in on_device.trace.allocations
         ),
     )
     summary = summarize_trace(rounded, trace.module_kinds)
-    outside = outside_allocator(trace, gpu, options.data_parallel, options.profile)
     stats = unlimited.stats
-    device_total = stats.peak_reserved + outside.total
+    job_total = stats.peak_reserved + outside.total
 
     oom = False
     retries = 0
-    if options.gpu is not None and stats.peak_reserved + outside.total > gpu.total_bytes:
-        limited = replay(requests, config, capacity=gpu.total_bytes - outside.total)
+    if options.gpu is not None and job_total > usable:
+        limited = replay(requests_of(on_device), config, capacity=usable - outside.total)
         oom = limited.oom_at is not None
         retries = limited.stats.num_alloc_retries
         if not oom:
-            device_total = limited.stats.peak_reserved + outside.total
+            job_total = limited.stats.peak_reserved + outside.total
+    reserved_range, total_range, widths = _range(runs, counted_reserve)
+    total_range = [min(total_range[0], job_total + counted_reserve),
+                   max(total_range[1], job_total + counted_reserve)]
+    device_total = job_total + counted_reserve
 
     workspaces = {
-        op: sum(a.nbytes for a in on_device.allocations if a.op == op)
+        op: sum(a.nbytes for a in on_device.trace.allocations if a.op == op)
         for op in ("cublas_workspace", "cublaslt_workspace")
     }
-    conv = [a.nbytes for a in on_device.allocations if a.op == "cudnn_workspace"]
-    runtime = {**outside.to_json(), **workspaces, "cudnn_workspace_largest": max(conv, default=0)}
+    conv = [a.nbytes for a in on_device.trace.allocations if a.op == WORKSPACE]
+    runtime = {
+        **outside.to_json(),
+        **workspaces,
+        "cudnn_workspace_largest": max(conv, default=0),
+        "driver_reserved": reserve,
+    }
     notes = list(estimate.notes)
     if options.profile is not None:
         notes.append(
@@ -153,14 +294,27 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
             f"(driver {options.profile.driver}, CUDA {options.profile.cuda}, "
             f"torch {options.profile.torch})"
         )
+    if measured is not None:
+        notes.append(f"measured figures for {gpu.name} on {measured.stack_slug}: {measured.path}")
     if options.gpu is None:
         notes.append(
             f"no --gpu given: reserved and device totals emulate an {gpu.name} ({gpu.arch}) runtime"
         )
-    if conv:
+    stack = options.software
+    notes.append(
+        f"device total as {options.used_counter} 'used' counts it "
+        + (f"(driver reserve {reserve // 2**20} MiB included)" if counted_reserve
+           else "(driver reserve excluded)")
+        + f"; stack {stack.slug}, {'lazy' if stack.lazy_loading else 'eager'} module loading"
+    )
+    cases = central.on_device.workspaces
+    if cases:
+        from_table = sum(1 for w in cases.values() if w.measured)
         notes.append(
-            "cuDNN convolution workspaces are a heuristic (a fraction of each "
-            "convolution's tensors); calibrate on your GPU to replace it"
+            f"cuDNN workspaces per call from an engine model ({len(cases)} configurations"
+            + (f", {from_table} measured" if from_table else "")
+            + "; benchmark " + ("on" if options.cudnn_benchmark else "off")
+            + "): `vramplan calibrate` or a measured table narrows it"
         )
     if retries:
         notes.append(
@@ -172,7 +326,21 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
         reserved_bytes=stats.peak_reserved,
         device_total_bytes=device_total,
         fragmentation_bytes=unlimited.fragmentation,
+        reserved_range_bytes=(reserved_range[0], reserved_range[1]),
+        device_total_range_bytes=(total_range[0], total_range[1]),
     )
+    verdict = None
+    if options.gpu:
+        verdict = judge(
+            gpu.name, usable, options.headroom, job_total, oom,
+            high=total_range[1] - counted_reserve,
+        )
+        if verdict.status != "oom" and total_range[1] - counted_reserve > verdict.usable_bytes:
+            unknown = SETTLES.get(widths["widest"], "the runtime terms")
+            notes.append(
+                f"the high end of the range passes the usable line; {unknown} would settle "
+                "it: `vramplan calibrate` on the card narrows the range"
+            )
     details = dict(estimate.details)
     details.update(
         {
@@ -180,13 +348,18 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
             "alloc_conf": options.alloc_conf or "",
             "tensor_allocated_bytes": estimate.peak.allocated_bytes,
             "tensor_components": dict(estimate.components),
-        "phase_components": summary.phase_components,
+            "phase_components": summary.phase_components,
             "allocator": {
                 "segments_allocated": stats.num_device_alloc,
                 "reserved_at_allocated_peak": stats.reserved_at_peak_allocated,
                 "allocated_at_reserved_peak": stats.allocated_at_peak_reserved,
                 "alloc_retries": retries,
             },
+            "range": widths,
+            "used_counter": options.used_counter,
+            "stack": stack.slug,
+            "usable_capacity_bytes": usable,
+            "measured_table": measured.path if measured else "",
         }
     )
     return replace(
@@ -197,9 +370,7 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
         top_modules=summary.top_modules,
         timeline=summary.timeline,
         runtime=runtime,
-        verdict=judge(gpu.name, gpu.total_bytes, options.headroom, device_total, oom)
-        if options.gpu
-        else None,
+        verdict=verdict,
         notes=tuple(notes),
         details=details,
     )

@@ -49,9 +49,79 @@ def cublaslt_workspace_bytes(gpu: GpuSpec) -> int:
     return 0 if gpu.vendor == "amd" else runtime_table()["cublaslt_workspace"]["bytes"]
 
 
-def conv_workspace_ratio(benchmark: bool) -> float:
-    table = runtime_table()["cudnn_conv_workspace"]
-    return table["benchmark_ratio" if benchmark else "heuristic_ratio"]
+COUNTERS = ("nvml-v1", "nvml-v2")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The software stack whose runtime is emulated: PyTorch and CUDA versions.
+
+    >>> parse_stack("torch2.14-cu12.8").lazy_loading
+    True
+    >>> parse_stack("torch1.12-cu11.6").lazy_loading
+    False
+    """
+
+    torch: str
+    cuda: str
+
+    @property
+    def slug(self) -> str:
+        from vramplan.device.measured import stack_slug
+
+        return stack_slug(self.torch, self.cuda)
+
+    @property
+    def lazy_loading(self) -> bool:
+        """CUDA lazy module loading: CUDA >= 11.7 and PyTorch >= 1.13 (which sets
+        ``CUDA_MODULE_LOADING=LAZY`` when unset)."""
+        rule = runtime_table()["module_loading"]
+        return _version(self.torch) >= _version(rule["lazy_from_torch"]) and _version(
+            self.cuda
+        ) >= _version(rule["lazy_from_cuda"])
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in str(text).split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def parse_stack(text: str) -> Stack:
+    """``torch2.14-cu12.8`` → ``Stack("2.14", "12.8")`` (a UserError when malformed)."""
+    import re
+
+    from vramplan.errors import UserError
+
+    match = re.fullmatch(r"torch(\d+\.\d+)(?:\.\d+)?-cu(\d+\.\d+)", text.strip().lower())
+    if match is None:
+        raise UserError(f"stack {text!r} is not like torch2.14-cu12.8")
+    return Stack(match.group(1), match.group(2))
+
+
+def default_stack() -> Stack:
+    """The installed PyTorch, with its CUDA (12.8 for a CPU-only build: the CUDA of the
+    current stable wheels)."""
+    import torch
+
+    version = torch.__version__.split("+")[0]
+    return Stack(".".join(version.split(".")[:2]), torch.version.cuda or "12.8")
+
+
+def driver_reserved_bytes(gpu: GpuSpec, measured=None) -> int:
+    """The framebuffer the driver keeps for itself on ``gpu`` (measured when a harvest
+    has it; 0 for AMD cards, whose tools report no such split, and for a card given by
+    its size, ``--gpu-memory``, read as the memory the job can use)."""
+    from vramplan.device.catalog import catalog
+
+    if measured is not None and "driver_reserved_bytes" in measured.nvml:
+        return measured.nvml["driver_reserved_bytes"]
+    if gpu.vendor == "amd" or gpu not in catalog():
+        return 0
+    table = runtime_table()["driver_reserved"]
+    return table["by_gpu"].get(gpu.name, table["default_bytes"])
 
 
 @dataclass(frozen=True)
@@ -76,22 +146,46 @@ class OutsideAllocator:
         }
 
 
+def _pick(values: list[int], variant: str) -> int:
+    return values[{"low": 0, "central": 1, "high": 2}[variant]]
+
+
 def outside_allocator(
-    trace: Trace, gpu: GpuSpec, data_parallel: int = 1, profile: DeviceProfile | None = None
+    trace: Trace,
+    gpu: GpuSpec,
+    data_parallel: int = 1,
+    profile: DeviceProfile | None = None,
+    stack: Stack | None = None,
+    variant: str = "central",
+    measured=None,
 ) -> OutsideAllocator:
-    """The CUDA context (with the kernels the step loads lazily) and NCCL buffers; a
-    calibrated profile's measured context (kernels included) replaces the table's."""
+    """The CUDA context (with the kernels the step loads) and NCCL buffers, under the
+    ``low`` / ``central`` / ``high`` reading of what is not published. A calibrated
+    profile's measured context (kernels included, unless it says cuDNN was not loaded)
+    and a measured table's floor stages replace the table's figures."""
     table = runtime_table()
     nccl = table["nccl"]["per_communicator_bytes"] if data_parallel > 1 else 0
-    if profile is not None:
-        return OutsideAllocator(profile.cuda_context_bytes, 0, 0, nccl)
-    context = table["cuda_context"]["by_family"].get(
-        gpu.family, table["cuda_context"]["default_bytes"]
-    )
     matmuls = uses_matmul(trace, Phase.FORWARD) or uses_matmul(trace, Phase.BACKWARD)
+    convs = uses_convolution(trace)
+    images = table["kernel_images"]
+    eager = stack is not None and not stack.lazy_loading
+    reading = "high" if eager else variant
+    cublas = _pick(images["cublas_range_bytes"], reading) if matmuls else 0
+    cudnn = _pick(images["cudnn_range_bytes"], reading) if convs else 0
+    if profile is not None:
+        cudnn = cudnn if convs and not profile.cudnn_loaded else 0
+        return OutsideAllocator(profile.cuda_context_bytes, 0, cudnn, nccl)
+    context_table = table["cuda_context"]
+    context = context_table["by_family"].get(gpu.family, context_table["default_bytes"])
+    if eager:
+        context = table["module_loading"]["eager_context_bytes"]
+    elif variant != "central" and gpu.vendor == "nvidia":
+        low, high = context_table["range_bytes"]
+        context = min(context, low) if variant == "low" else max(context, high)
+    floor = measured.floor if measured is not None else {}
     return OutsideAllocator(
-        cuda_context=context,
-        cublas_kernels=table["kernel_images"]["cublas_bytes"] if matmuls else 0,
-        cudnn_kernels=table["kernel_images"]["cudnn_bytes"] if uses_convolution(trace) else 0,
+        cuda_context=floor.get("cuda_context", context),
+        cublas_kernels=floor.get("cublas_kernels", cublas) if matmuls else 0,
+        cudnn_kernels=floor.get("cudnn_kernels", cudnn) if convs else 0,
         nccl=nccl,
     )

@@ -235,12 +235,21 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
     notes = (*est.notes, f"per-rank figures for {layout.describe()}: model states by the "
              "sharding formulas, activations from the single-GPU trace scaled by the layout "
              "(DeepSpeed, and FSDP with TP/PP, are not traced themselves)")
+    # the single-GPU range's widths carry over; the verdict reads the job's own memory
+    # (the driver reserve an nvml-v1 total counts is outside the usable capacity)
+    counted = (est.runtime.get("driver_reserved", 0)
+               if est.details.get("used_counter") == "nvml-v1" else 0)
+    central = est.peak.device_total_bytes or 0
+    low, high = est.peak.device_total_range_bytes or (central, central)
+    total_range = (device_total - (central - low), device_total + (high - central))
     peak = Peak(allocated_bytes=allocated, phase=phase, iteration=est.peak.iteration,
                 reserved_bytes=reserved, device_total_bytes=device_total,
-                fragmentation_bytes=reserved - allocated)
+                fragmentation_bytes=reserved - allocated,
+                device_total_range_bytes=total_range if est.peak.device_total_range_bytes
+                else None)
     verdict = None
     if est.verdict is not None:
         verdict = judge(est.verdict.gpu, est.verdict.capacity_bytes, est.verdict.headroom,
-                        device_total)
+                        device_total - counted, high=total_range[1] - counted)
     return replace(est, components=components, peak=peak, runtime=runtime, details=details,
                    notes=notes, verdict=verdict)

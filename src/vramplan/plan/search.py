@@ -131,10 +131,11 @@ def largest_fitting(
 def _cannot_fit_message(bench: Workbench, recipe: Recipe, knob: str) -> str:
     estimate = bench.estimate(recipe)
     verdict = estimate.verdict
-    missing = estimate.peak.device_total_bytes - verdict.usable_bytes
+    missing = verdict.compared_bytes - verdict.usable_bytes
     return (
         f"{bench.model} does not fit {verdict.gpu} even at {KNOBS[knob]} "
-        f"{getattr(recipe, knob)}: it needs {estimate.peak.device_total_bytes:,} bytes, "
+        f"{getattr(recipe, knob)}: the high end of its range needs "
+        f"{verdict.compared_bytes:,} bytes (central {estimate.peak.device_total_bytes:,}), "
         f"{missing:,} more than the {verdict.usable_bytes:,} usable after "
         f"{verdict.headroom:.0%} headroom; try `vramplan plan` for levers"
     )

@@ -70,6 +70,8 @@ def _peak_bar(est: Estimate, units: Units) -> str:
         ("reserved", peak.reserved_bytes),
         ("device total", peak.device_total_bytes),
     ]
+    if peak.device_total_range_bytes is not None:
+        figures.append(("high end", peak.device_total_range_bytes[1]))
     marks = [(name, value) for name, value in figures[1:] if value]
     if est.verdict is not None:
         marks += [
@@ -288,6 +290,16 @@ def _summary_rows(est: Estimate, units: Units) -> list[list[str]]:
     ):
         if value is not None:
             rows.append([label, format_bytes(value, units), f"{value:,}"])
+    for label, pair in (
+        ("reserved range", est.peak.reserved_range_bytes),
+        ("device total range", est.peak.device_total_range_bytes),
+    ):
+        if pair is not None:
+            rows.append([
+                label,
+                f"{format_bytes(pair[0], units)} – {format_bytes(pair[1], units)}",
+                f"{pair[0]:,} – {pair[1]:,}",
+            ])
     rows += [
         [LABELS[n], format_bytes(est.components[n], units), f"{est.components[n]:,}"]
         for n in COMPONENTS

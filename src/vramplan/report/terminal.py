@@ -58,9 +58,20 @@ def render_estimate(est: Estimate, units: Units = "binary", console: Console | N
         f"{label}: [bold]{fmt(peak.allocated_bytes)}[/bold] ({peak.allocated_bytes:,} bytes){when}"
     )
     if peak.reserved_bytes is not None:
-        console.print(f"Peak reserved (caching allocator): {fmt(peak.reserved_bytes)}")
+        span = peak.reserved_range_bytes
+        extra = f" (range {fmt(span[0])} – {fmt(span[1])})" if span else ""
+        console.print(f"Peak reserved (caching allocator): {fmt(peak.reserved_bytes)}{extra}")
     if peak.device_total_bytes is not None:
-        console.print(f"Device total (what nvidia-smi shows): {fmt(peak.device_total_bytes)}")
+        counter = est.details.get("used_counter")
+        shows = f"{counter} 'used'" if counter else "what nvidia-smi shows"
+        span = peak.device_total_range_bytes
+        extra = ""
+        if span:
+            widest = est.details.get("range", {}).get("widest")
+            extra = f" (range {fmt(span[0])} – {fmt(span[1])}" + (
+                f"; widest unknown: {widest})" if widest else ")"
+            )
+        console.print(f"Device total ({shows}): {fmt(peak.device_total_bytes)}{extra}")
 
     console.print(component_bar(est.components))
     table = Table(title="Breakdown at the peak", title_justify="left")

@@ -35,6 +35,67 @@ class OpMarker:
     op: str
     input_bytes: int
     output_bytes: int
+    # What the device model needs to pick a cuDNN engine (empty for other ops):
+    input_shape: tuple[int, ...] = ()
+    weight_shape: tuple[int, ...] = ()
+    output_shape: tuple[int, ...] = ()
+    stride: tuple[int, ...] = ()
+    padding: tuple[int, ...] = ()
+    dilation: tuple[int, ...] = ()
+    groups: int = 1
+    transposed: bool = False
+    dtype: str = ""
+    memory_format: str = "contiguous"
+    passes: tuple[str, ...] = ()
+    """``forward``, or the ``backward_data`` / ``backward_filter`` passes a backward runs."""
+
+
+def _shape(value) -> tuple[int, ...]:
+    return tuple(int(v) for v in value.shape) if isinstance(value, torch.Tensor) else ()
+
+
+def _ints(value) -> tuple[int, ...]:
+    return tuple(int(v) for v in value) if isinstance(value, (list, tuple)) else ()
+
+
+def conv_fields(func, args, kwargs, out) -> dict:
+    """Shapes, strides, groups, dtype and passes of a convolution call, read by argument
+    name from the op's schema (``convolution``, ``convolution_backward``,
+    ``cudnn_convolution`` name them differently)."""
+    try:
+        names = [a.name for a in func._schema.arguments]
+    except AttributeError:
+        return {}
+    bound = dict(zip(names, args, strict=False))
+    bound.update(kwargs or {})
+    x = bound.get("input", bound.get("self"))
+    weight = bound.get("weight")
+    if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
+        return {}
+    mask = bound.get("output_mask")
+    if mask is not None:
+        wanted = zip(("backward_data", "backward_filter"), mask[:2], strict=True)
+        passes = tuple(name for name, on in wanted if on)
+        y = bound.get("grad_output")
+    else:
+        passes = ("forward",)
+        y = out if isinstance(out, torch.Tensor) else None
+    channels_last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and (
+        not x.is_contiguous()
+    )
+    return {
+        "input_shape": _shape(x),
+        "weight_shape": _shape(weight),
+        "output_shape": _shape(y),
+        "stride": _ints(bound.get("stride")),
+        "padding": _ints(bound.get("padding")),
+        "dilation": _ints(bound.get("dilation")),
+        "groups": int(bound.get("groups") or 1),
+        "transposed": bool(bound.get("transposed", False)),
+        "dtype": str(x.dtype).removeprefix("torch."),
+        "memory_format": "channels_last" if channels_last else "contiguous",
+        "passes": passes,
+    }
 
 
 def _tensor_bytes(tree) -> int:
@@ -212,6 +273,7 @@ class AllocationRecorder(TorchDispatchMode):
                     name,
                     _tensor_bytes((args, kwargs)),
                     _tensor_bytes(out),
+                    **conv_fields(func, args, kwargs, out),
                 )
             )
         return out

@@ -1,0 +1,202 @@
+"""The device-level truth: cuDNN workspaces per call as PyTorch runs them, measured tables
+replacing the model, the [low, high] range the verdict reads, and the driver reserve."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torch import nn
+
+from vramplan.device.alloc_conf import AllocatorConfig
+from vramplan.device.allocator import replay
+from vramplan.device.catalog import lookup_gpu
+from vramplan.device.cudnn import ConvCase, engine_workspace
+from vramplan.device.measured import MEASURED_DIR_ENV
+from vramplan.device.options import device_options
+from vramplan.device.replay import device_trace, requests_of
+from vramplan.device.verdict import judge
+from vramplan.session import Session
+from vramplan.trace.events import Allocation, PhaseMark, Trace
+from vramplan.trace.recorder import OpMarker
+
+MiB = 2**20
+A100 = lookup_gpu("a100-40gb")
+X = (8, 64, 56, 56)
+W = (64, 64, 3, 3)
+
+
+def _conv_trace(calls: list[tuple[str, tuple[str, ...]]], shape=X, weight=W, stride=(1, 1)):
+    """A hand-written trace: one output storage per convolution call, each followed by
+    its marker."""
+    allocations, markers = [], []
+    nbytes = 4 * shape[0] * shape[1] * shape[2] * shape[3]
+    for i, (phase, passes) in enumerate(calls):
+        allocations.append(Allocation(i, nbytes, "activations", phase, 1, "", "conv", i, None))
+        markers.append(
+            OpMarker(i, phase, "convolution", nbytes, nbytes, input_shape=shape,
+                     weight_shape=weight, output_shape=shape, stride=stride, padding=(1, 1),
+                     dilation=(1, 1), groups=1, dtype="float32", passes=passes)
+        )
+    return Trace(tuple(allocations), (PhaseMark(0, "forward", 1),), len(calls),
+                 markers=tuple(markers))
+
+
+def _case(pass_="forward", shape=X, weight=W, stride=(1, 1)):
+    return ConvCase(pass_, "float32", "contiguous", shape, weight, stride, (1, 1), (1, 1), 1)
+
+
+def _workspace_requests(requests, trace):
+    """(kind, size) of the requests the device model added to a trace."""
+    own = {a.id for a in trace.allocations}
+    out = []
+    for r in requests:
+        if r.key in own:
+            continue
+        kind = "empty_cache" if r.empty_cache else "alloc" if r.is_alloc else "free"
+        out.append((kind, r.candidates or r.size))
+    return out
+
+
+def test_benchmark_off_one_workspace_per_call_sized_by_the_engine_rule():
+    trace = _conv_trace([("forward", ("forward",)), ("forward", ("forward",)),
+                         ("backward", ("backward_data", "backward_filter"))])
+    on = device_trace(trace, A100, cudnn_benchmark=False)
+    fwd = engine_workspace(_case()).central
+    dgrad = engine_workspace(_case("backward_data")).central
+    wgrad = engine_workspace(_case("backward_filter")).central
+    # dense 3x3 stride 1: Winograd non-fused, 2.25x input and output + 4x filters
+    x = 4 * 8 * 64 * 56 * 56
+    assert fwd == int(2.25 * (x + x) + 4 * 4 * 64 * 64 * 9)
+    assert _workspace_requests(requests_of(on), trace) == [
+        ("alloc", fwd), ("free", fwd), ("alloc", fwd), ("free", fwd),
+        ("alloc", dgrad), ("free", dgrad), ("alloc", wgrad), ("free", wgrad),
+    ]
+    # a 1x1 convolution runs implicit GEMM: no workspace at all
+    pointwise = _conv_trace([("forward", ("forward",))], weight=(64, 64, 1, 1))
+    assert _workspace_requests(requests_of(device_trace(pointwise, A100, False)), pointwise) == []
+    # the low and high readings bracket the central one
+    low = device_trace(trace, A100, False, "low")
+    assert _workspace_requests(requests_of(low), trace) == []
+    assert engine_workspace(_case()).high >= fwd
+
+
+def test_benchmark_on_searches_once_then_empties_the_cache():
+    trace = _conv_trace([("forward", ("forward",)), ("forward", ("forward",))])
+    on = device_trace(trace, A100, cudnn_benchmark=True)
+    requests = requests_of(on)
+    workspace = engine_workspace(_case())
+    added = _workspace_requests(requests, trace)
+    assert added == [
+        ("alloc", workspace.candidates), ("free", max(workspace.candidates)),
+        ("empty_cache", 0),
+        ("alloc", workspace.central), ("free", workspace.central),
+        # the second call of the same configuration: the cached plan's size, no search
+        ("alloc", workspace.central), ("free", workspace.central),
+    ]
+    config = AllocatorConfig()
+    position = {kind: i for i, kind in reversed(list(enumerate(k for k, _ in added)))}
+    first_own = len(requests) - len(added)  # hand trace: its own allocations come first
+    after_find = replay(requests[: first_own + 1], config).stats
+    after_empty = replay(requests[: first_own + position["empty_cache"] + 1], config).stats
+    assert after_find.reserved >= max(workspace.candidates)
+    assert after_empty.reserved < after_find.reserved  # the search's segment is released
+    # the search takes the largest candidate that fits max(device free, largest free block)
+    squeezed = replay(requests[: first_own + 1], config, device_free=after_empty.reserved
+                      + workspace.central + 4 * MiB).stats
+    assert squeezed.peak_reserved < after_find.peak_reserved
+
+
+def _measured_file(folder, stack, workspace, reserve):
+    case = {"pass": "forward", "dtype": "float32", "memory_format": "contiguous",
+            "input": list(X), "weight": list(W), "stride": [1, 1], "padding": [1, 1],
+            "dilation": [1, 1], "groups": 1, "benchmark": False,
+            "workspace_bytes": workspace, "reserved_growth_bytes": workspace,
+            "cache_emptied": False}
+    data = {"schema": "vramplan.measured/1", "gpu": "A100-40GB", "compute_capability": "8.0",
+            "stack": {"torch": stack[0], "cuda": stack[1], "cudnn": "9.1.0", "driver": "550.54"},
+            "floor": {"cuda_context": 500 * MiB},
+            "nvml": {"v1_used_idle": reserve, "v2_used_idle": 0,
+                     "driver_reserved_bytes": reserve, "total_bytes": 40960 * MiB},
+            "cublas": {}, "conv_workspaces": [case]}
+    path = folder / f"a100-40gb-torch{stack[0]}-cu{stack[1]}.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_a_measured_table_replaces_the_model_for_its_card_and_stack(tmp_path, monkeypatch):
+    monkeypatch.setenv(MEASURED_DIR_ENV, str(tmp_path))
+    _measured_file(tmp_path, ("2.5", "12.4"), 3 * MiB, 300 * MiB)
+    trace = _conv_trace([("forward", ("forward",))])
+    options = device_options(gpu="a100-40gb", stack="torch2.5-cu12.4")
+    assert options.measured is not None
+    on = device_trace(trace, A100, False, "high", options.measured)
+    assert _workspace_requests(requests_of(on), trace) == [("alloc", 3 * MiB), ("free", 3 * MiB)]
+    # another stack, or another card, keeps the model
+    assert device_options(gpu="a100-40gb", stack="torch2.6-cu12.4").measured is None
+    assert device_options(gpu="a100-80gb", stack="torch2.5-cu12.4").measured is None
+    model = device_trace(trace, A100, False)
+    assert _workspace_requests(requests_of(model), trace)[0] == (
+        "alloc", engine_workspace(_case()).central)
+
+
+def _estimate(**options):
+    import torch
+
+    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
+                          nn.Conv2d(16, 16, 3, padding=1), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(16, 10))
+    session = Session(model, example_batch=torch.randn(8, 3, 32, 32), **options)
+    return session.estimate(batch_size=8)
+
+
+def test_the_range_brackets_the_figure_and_the_verdict_reads_its_high_end(tmp_path,
+                                                                          monkeypatch):
+    monkeypatch.setenv(MEASURED_DIR_ENV, str(tmp_path))
+    est = _estimate(gpu="a100-40gb", stack="torch2.5-cu12.4")
+    peak = est.peak
+    low, high = peak.device_total_range_bytes
+    assert low <= peak.device_total_bytes <= high and low < high
+    r_low, r_high = peak.reserved_range_bytes
+    assert r_low <= peak.reserved_bytes <= r_high
+    assert est.details["range"]["widest"] in est.details["range"]["terms"]
+    json_peak = est.to_json()["peak"]
+    assert json_peak["device_total_range_bytes"] == [low, high]
+    # central fits under the usable line, the high end does not: not FITS
+    capacity = 10 * 2**30
+    assert judge("card", capacity, 0.1, 8 * 2**30).status == "fits"
+    assert judge("card", capacity, 0.1, 8 * 2**30, high=int(9.5 * 2**30)).status == "tight"
+    assert judge("card", capacity, 0.1, 11 * 2**30, high=12 * 2**30).status == "oom"
+    # the same on a card sized between the central figure and the high end
+    reserve = est.runtime["driver_reserved"]
+    job_central = peak.device_total_bytes - reserve
+    job_high = high - reserve
+    size = (job_central + job_high) // 2
+    between = _estimate(gpu_memory=f"{size}B", headroom=0.0, stack="torch2.5-cu12.4")
+    assert between.verdict.status == "tight"
+    assert between.verdict.compared_bytes == between.peak.device_total_range_bytes[1]
+
+
+def test_the_driver_reserve_changes_the_usable_capacity(tmp_path, monkeypatch):
+    monkeypatch.setenv(MEASURED_DIR_ENV, str(tmp_path))
+    est = _estimate(gpu="a100-40gb", stack="torch2.5-cu12.4")
+    assert est.runtime["driver_reserved"] == 424 * MiB
+    assert est.verdict.capacity_bytes == A100.total_bytes - 424 * MiB
+    v2 = _estimate(gpu="a100-40gb", stack="torch2.5-cu12.4", used_counter="nvml-v2")
+    assert est.peak.device_total_bytes - v2.peak.device_total_bytes == 424 * MiB
+    assert v2.verdict == est.verdict  # the counter changes the figure, not the verdict
+    # a measured table's reserve replaces the table's figure
+    _measured_file(tmp_path, ("2.5", "12.4"), 0, 300 * MiB)
+    measured = _estimate(gpu="a100-40gb", stack="torch2.5-cu12.4")
+    assert measured.runtime["driver_reserved"] == 300 * MiB
+    assert measured.verdict.capacity_bytes == 40960 * MiB - 300 * MiB
+    assert measured.runtime["cuda_context"] == 500 * MiB
+    assert any("measured figures" in note for note in measured.notes)
+
+
+def test_eager_module_loading_raises_the_floor():
+    lazy = _estimate(gpu="a100-40gb", stack="torch2.5-cu12.4")
+    eager = _estimate(gpu="a100-40gb", stack="torch1.12-cu11.6")
+    assert eager.runtime["cuda_context"] > lazy.runtime["cuda_context"]
+    with pytest.raises(Exception, match="not like torch2.14-cu12.8"):
+        device_options(stack="2.5")
