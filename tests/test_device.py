@@ -7,7 +7,7 @@ import json
 import pytest
 
 from vramplan.device.catalog import catalog, gpu_from_memory, lookup_gpu
-from vramplan.device.runtime import runtime_table
+from vramplan.device.table import runtime_table
 from vramplan.errors import UserError
 
 

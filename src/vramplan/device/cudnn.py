@@ -31,6 +31,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vramplan.device.table import runtime_table
+
 _ELEMENT = {"float32": 4, "float16": 2, "bfloat16": 2, "float64": 8}
 
 
@@ -126,7 +128,6 @@ def _fft_bytes(case: ConvCase, element: int) -> int:
 
 def engine_workspace(case: ConvCase, engines: dict | None = None) -> Workspace:
     """The stated engine model (see the module docstring and ``runtime.json``)."""
-    from vramplan.device.runtime import runtime_table
 
     engines = engines or runtime_table()["cudnn_engines"]
     element = _ELEMENT.get(case.dtype, 4)

@@ -32,6 +32,7 @@ from importlib import resources
 from pathlib import Path
 
 from vramplan.device.cudnn import ConvCase
+from vramplan.device.stack import stack_slug
 from vramplan.errors import UserError
 
 MEASURED_DIR_ENV = "VRAMPLAN_MEASURED_DIR"
@@ -40,15 +41,6 @@ SCHEMA = "vramplan.measured/1"
 
 def slug(text: str) -> str:
     return re.sub(r"[^a-z0-9.]+", "-", text.lower()).strip("-")
-
-
-def stack_slug(torch: str, cuda: str) -> str:
-    """``torch2.14-cu12.8`` from versions (major.minor of each)."""
-    return f"torch{_minor(torch)}-cu{_minor(cuda)}"
-
-
-def _minor(version: str) -> str:
-    return ".".join(re.split(r"[.+]", str(version))[:2])
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,8 @@ from vramplan.device.alloc_conf import AllocatorConfig
 from vramplan.device.catalog import GpuSpec, gpu_from_memory, lookup_gpu
 from vramplan.device.measured import MeasuredTable, measured_for
 from vramplan.device.profile import DeviceProfile, load_profile, profile_for
-from vramplan.device.runtime import COUNTERS, Stack, default_stack, parse_stack
+from vramplan.device.runtime import COUNTERS
+from vramplan.device.stack import Stack, default_stack, parse_stack
 from vramplan.errors import UserError
 
 DEFAULT_GPU = "A100-80GB"

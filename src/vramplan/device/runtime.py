@@ -11,22 +11,15 @@ live in ``data/runtime.json``::
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from functools import cache
-from importlib import resources
 
-from vramplan.device.catalog import GpuSpec
+from vramplan.device.catalog import GpuSpec, catalog
 from vramplan.device.profile import DeviceProfile
+from vramplan.device.stack import Stack
+from vramplan.device.table import runtime_table
 from vramplan.ops import Library, library_of
 from vramplan.result import Phase
 from vramplan.trace.events import Trace
-
-
-@cache
-def runtime_table() -> dict:
-    """The bundled runtime figures with their sources."""
-    return json.loads((resources.files("vramplan") / "data" / "runtime.json").read_text())
 
 
 def uses_matmul(trace: Trace, phase: Phase) -> bool:
@@ -52,70 +45,10 @@ def cublaslt_workspace_bytes(gpu: GpuSpec) -> int:
 COUNTERS = ("nvml-v1", "nvml-v2")
 
 
-@dataclass(frozen=True)
-class Stack:
-    """The software stack whose runtime is emulated: PyTorch and CUDA versions.
-
-    >>> parse_stack("torch2.14-cu12.8").lazy_loading
-    True
-    >>> parse_stack("torch1.12-cu11.6").lazy_loading
-    False
-    """
-
-    torch: str
-    cuda: str
-
-    @property
-    def slug(self) -> str:
-        from vramplan.device.measured import stack_slug
-
-        return stack_slug(self.torch, self.cuda)
-
-    @property
-    def lazy_loading(self) -> bool:
-        """CUDA lazy module loading: CUDA >= 11.7 and PyTorch >= 1.13 (which sets
-        ``CUDA_MODULE_LOADING=LAZY`` when unset)."""
-        rule = runtime_table()["module_loading"]
-        return _version(self.torch) >= _version(rule["lazy_from_torch"]) and _version(
-            self.cuda
-        ) >= _version(rule["lazy_from_cuda"])
-
-
-def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for piece in str(text).split(".")[:2]:
-        digits = "".join(ch for ch in piece if ch.isdigit())
-        parts.append(int(digits) if digits else 0)
-    return tuple(parts)
-
-
-def parse_stack(text: str) -> Stack:
-    """``torch2.14-cu12.8`` → ``Stack("2.14", "12.8")`` (a UserError when malformed)."""
-    import re
-
-    from vramplan.errors import UserError
-
-    match = re.fullmatch(r"torch(\d+\.\d+)(?:\.\d+)?-cu(\d+\.\d+)", text.strip().lower())
-    if match is None:
-        raise UserError(f"stack {text!r} is not like torch2.14-cu12.8")
-    return Stack(match.group(1), match.group(2))
-
-
-def default_stack() -> Stack:
-    """The installed PyTorch, with its CUDA (12.8 for a CPU-only build: the CUDA of the
-    current stable wheels)."""
-    import torch
-
-    version = torch.__version__.split("+")[0]
-    return Stack(".".join(version.split(".")[:2]), torch.version.cuda or "12.8")
-
-
 def driver_reserved_bytes(gpu: GpuSpec, measured=None) -> int:
     """The framebuffer the driver keeps for itself on ``gpu`` (measured when a harvest
     has it; 0 for AMD cards, whose tools report no such split, and for a card given by
     its size, ``--gpu-memory``, read as the memory the job can use)."""
-    from vramplan.device.catalog import catalog
-
     if measured is not None and "driver_reserved_bytes" in measured.nvml:
         return measured.nvml["driver_reserved_bytes"]
     if gpu.vendor == "amd" or gpu not in catalog():

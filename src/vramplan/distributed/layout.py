@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from vramplan.device.runtime import runtime_table
+from vramplan.device.table import runtime_table
 from vramplan.device.verdict import judge
 from vramplan.distributed.zero import (
     bucket_bytes,

@@ -1,0 +1,75 @@
+"""The software stack whose runtime is emulated (``--stack torch2.14-cu12.8``): it decides
+lazy or eager CUDA module loading, and names measured tables.
+
+    >>> parse_stack("torch2.14-cu12.8").slug
+    'torch2.14-cu12.8'
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+import torch
+
+from vramplan.device.table import runtime_table
+from vramplan.errors import UserError
+
+
+def stack_slug(torch: str, cuda: str) -> str:
+    """``torch2.14-cu12.8`` from versions (major.minor of each)."""
+    return f"torch{_minor(torch)}-cu{_minor(cuda)}"
+
+
+def _minor(version: str) -> str:
+    return ".".join(re.split(r"[.+]", str(version))[:2])
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The software stack whose runtime is emulated: PyTorch and CUDA versions.
+
+    >>> parse_stack("torch2.14-cu12.8").lazy_loading
+    True
+    >>> parse_stack("torch1.12-cu11.6").lazy_loading
+    False
+    """
+
+    torch: str
+    cuda: str
+
+    @property
+    def slug(self) -> str:
+        return stack_slug(self.torch, self.cuda)
+
+    @property
+    def lazy_loading(self) -> bool:
+        """CUDA lazy module loading: CUDA >= 11.7 and PyTorch >= 1.13 (which sets
+        ``CUDA_MODULE_LOADING=LAZY`` when unset)."""
+        rule = runtime_table()["module_loading"]
+        return _version(self.torch) >= _version(rule["lazy_from_torch"]) and _version(
+            self.cuda
+        ) >= _version(rule["lazy_from_cuda"])
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for piece in str(text).split(".")[:2]:
+        digits = "".join(ch for ch in piece if ch.isdigit())
+        parts.append(int(digits) if digits else 0)
+    return tuple(parts)
+
+
+def parse_stack(text: str) -> Stack:
+    """``torch2.14-cu12.8`` → ``Stack("2.14", "12.8")`` (a UserError when malformed)."""
+    match = re.fullmatch(r"torch(\d+\.\d+)(?:\.\d+)?-cu(\d+\.\d+)", text.strip().lower())
+    if match is None:
+        raise UserError(f"stack {text!r} is not like torch2.14-cu12.8")
+    return Stack(match.group(1), match.group(2))
+
+
+def default_stack() -> Stack:
+    """The installed PyTorch, with its CUDA (12.8 for a CPU-only build: the CUDA of the
+    current stable wheels)."""
+    version = torch.__version__.split("+")[0]
+    return Stack(".".join(version.split(".")[:2]), torch.version.cuda or "12.8")
