@@ -23,10 +23,18 @@ from vramplan.sources import resolve
 MiB = 2**20
 WORKLOADS = (
     ("hf:gpt2", Recipe(batch_size=8, seq_len=1024, precision="amp-bf16"), "a100-40gb", (8,)),
-    ("hf:tinyllama-1.1b", Recipe(batch_size=4, seq_len=2048, precision="amp-bf16",
-                                 checkpointing="full"), "a100-80gb", (2, 8)),
-    ("hf:meta-llama-3-8b", Recipe(batch_size=1, seq_len=4096, precision="amp-bf16",
-                                  checkpointing="full"), "h100", (8, 64)),
+    (
+        "hf:tinyllama-1.1b",
+        Recipe(batch_size=4, seq_len=2048, precision="amp-bf16", checkpointing="full"),
+        "a100-80gb",
+        (2, 8),
+    ),
+    (
+        "hf:meta-llama-3-8b",
+        Recipe(batch_size=1, seq_len=4096, precision="amp-bf16", checkpointing="full"),
+        "h100",
+        (8, 64),
+    ),
 )
 
 
@@ -47,8 +55,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="GPT-2 only")
     args = parser.parse_args()
-    print("| model, layout | allocated | reserved | device total | model states | peak phase "
-          "| seconds | formula allocated (/ trace) |")
+    print(
+        "| model, layout | allocated | reserved | device total | model states | peak phase "
+        "| seconds | formula allocated (/ trace) |"
+    )
     print("| --- | ---: | ---: | ---: | ---: | --- | ---: | ---: |")
     for spec, recipe, gpu, worlds in WORKLOADS[:1] if args.quick else WORKLOADS:
         start = time.perf_counter()

@@ -19,8 +19,11 @@ CASES = [
     ("torchvision:resnet50", "a100-40gb", Recipe(batch_size=1, precision="amp-bf16")),
     ("torchvision:vit_b_16", "l4", Recipe(batch_size=1, precision="amp-bf16")),
     ("hf:gpt2", "a10g", Recipe(batch_size=1, seq_len=1024, precision="amp-bf16")),
-    ("hf:tinyllama-1.1b", "h100", Recipe(batch_size=1, seq_len=2048, precision="amp-bf16",
-                                          checkpointing="full")),
+    (
+        "hf:tinyllama-1.1b",
+        "h100",
+        Recipe(batch_size=1, seq_len=2048, precision="amp-bf16", checkpointing="full"),
+    ),
 ]
 
 
@@ -30,8 +33,11 @@ def main() -> None:
     for model, gpu, recipe in CASES:
         start = time.perf_counter()
         result = largest_fitting(Workbench(model, device_options(gpu=gpu)), recipe)
-        print(f"| {model} | {gpu} | {result.value} | {result.traces} | "
-              f"{result.bisection_traces} | {time.perf_counter() - start:.1f} |", flush=True)
+        print(
+            f"| {model} | {gpu} | {result.value} | {result.traces} | "
+            f"{result.bisection_traces} | {time.perf_counter() - start:.1f} |",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,9 @@ def gpt2_config(tmp_path_factory) -> Callable[..., Path]:
 
     def write(no_dropout: bool = False, **overrides) -> Path:
         path = tmp_path_factory.mktemp("gpt2") / "config.json"
-        path.write_text(json.dumps({**TINY_GPT2, **(NO_DROPOUT if no_dropout else {}),
-                                    **overrides}))
+        path.write_text(
+            json.dumps({**TINY_GPT2, **(NO_DROPOUT if no_dropout else {}), **overrides})
+        )
         return path
 
     return write

@@ -200,19 +200,25 @@ def test_a_stream_reuses_only_its_own_cached_blocks():
 
 def test_replay_keeps_streams_apart():
     size = 12 * MB
-    same = replay([Request(0, size, True), Request(0, size, False), Request(1, size, True)],
-                  AllocatorConfig())
-    apart = replay([Request(0, size, True, stream=2), Request(0, size, False),
-                    Request(1, size, True)], AllocatorConfig())
+    same = replay(
+        [Request(0, size, True), Request(0, size, False), Request(1, size, True)], AllocatorConfig()
+    )
+    apart = replay(
+        [Request(0, size, True, stream=2), Request(0, size, False), Request(1, size, True)],
+        AllocatorConfig(),
+    )
     assert same.stats.peak_reserved == size
     assert apart.stats.peak_reserved == 2 * size
 
 
 def test_fragmentation_is_measured_over_the_whole_reserved_peak():
     big, small = 50 * MB, 4096
-    requests = [Request(0, big, True), Request(0, big, False),  # 50 MiB cached
-                Request(1, small, True),  # a small segment: the reserved peak, 52 MiB
-                Request(2, big, True)]  # the peak is held and the cache refilled
+    requests = [
+        Request(0, big, True),
+        Request(0, big, False),  # 50 MiB cached
+        Request(1, small, True),  # a small segment: the reserved peak, 52 MiB
+        Request(2, big, True),
+    ]  # the peak is held and the cache refilled
     result = replay(requests, AllocatorConfig())
     assert result.stats.peak_reserved == big + 2 * MB
     assert result.fragmentation == 2 * MB - small

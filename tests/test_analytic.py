@@ -29,8 +29,6 @@ from vramplan.units import parse_count
 VGG = Path(__file__).resolve().parents[1] / "examples" / "vgg16.yaml"
 
 
-
-
 def test_calc_classic_example_exactly(run_cli):
     code, out, _ = run_cli(
         "calc",
@@ -140,13 +138,9 @@ def test_vgg16_walkthrough_matches_cs231n_rows():
 
 
 def test_layers_default_method_explains_the_difference(run_cli):
-    code, out, _ = run_cli(
-        "layers", str(VGG), "--batch-size", "8", "--optimizer", "sgd", "--json"
-    )
+    code, out, _ = run_cli("layers", str(VGG), "--batch-size", "8", "--optimizer", "sgd", "--json")
     default = json.loads(out)
-    code, out, _ = run_cli(
-        "layers", str(VGG), "--batch-size", "8", "--method", "cs231n", "--json"
-    )
+    code, out, _ = run_cli("layers", str(VGG), "--batch-size", "8", "--method", "cs231n", "--json")
     classic = json.loads(out)
     assert default["components"]["optimizer_state"] == 0  # plain SGD keeps no state
     assert classic["components"]["optimizer_state"] == default["components"]["parameters"]

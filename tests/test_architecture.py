@@ -68,7 +68,7 @@ def test_no_import_cycle():
         path.append(node)
         for child in sorted(graph[node]):
             if state.get(child) == 1:
-                cycle = path[path.index(child):] + [child]
+                cycle = path[path.index(child) :] + [child]
                 raise AssertionError("import cycle: " + " -> ".join(cycle))
             if child not in state:
                 visit(child)
@@ -82,8 +82,11 @@ def test_no_import_cycle():
 
 def test_nothing_imports_the_package_root():
     graph = _graph()
-    importers = sorted(name for name, children in graph.items()
-                       if "vramplan" in children and not name.startswith("vramplan.cli"))
+    importers = sorted(
+        name
+        for name, children in graph.items()
+        if "vramplan" in children and not name.startswith("vramplan.cli")
+    )
     assert importers == []
 
 

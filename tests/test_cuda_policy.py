@@ -118,7 +118,6 @@ def test_amp_trace_runs_backward_under_cuda_rules(gpt2_config):
     assert isinstance(CpuPolicy().autocast(recipe), torch.autocast)
 
 
-
 def test_amp_with_checkpointing_recomputes_under_the_same_rules(tiny_gpt2_config):
 
     from vramplan.pipeline import estimate_built
@@ -129,8 +128,10 @@ def test_amp_with_checkpointing_recomputes_under_the_same_rules(tiny_gpt2_config
     checkpointed = plain.with_changes(checkpointing="full")
     full = estimate_built(resolve(f"hf:{path}", checkpointed), checkpointed, "cuda")
     base = estimate_built(resolve(f"hf:{path}", plain), plain, "cuda")
-    assert full.details["tensor_components"]["activations"] < base.details[
-        "tensor_components"]["activations"]
+    assert (
+        full.details["tensor_components"]["activations"]
+        < base.details["tensor_components"]["activations"]
+    )
 
 
 def test_recompute_casts_do_not_outlive_their_block(gpt2_config):

@@ -16,12 +16,20 @@ from vramplan.trace.step import trace_training
 from vramplan.trace.summary import summarize_trace
 
 
-@pytest.mark.parametrize("bidirectional,batch_first,bias", [(False, True, True),
-                                                            (True, False, False)])
+@pytest.mark.parametrize(
+    "bidirectional,batch_first,bias", [(False, True, True), (True, False, False)]
+)
 def test_native_lstm_matches_nn_lstm_shapes_and_gradients(bidirectional, batch_first, bias):
     with FakeTensorMode():
-        lstm = nn.LSTM(16, 32, num_layers=2, bidirectional=bidirectional,
-                       batch_first=batch_first, bias=bias, dropout=0.1)
+        lstm = nn.LSTM(
+            16,
+            32,
+            num_layers=2,
+            bidirectional=bidirectional,
+            batch_first=batch_first,
+            bias=bias,
+            dropout=0.1,
+        )
         x = torch.randn(4, 10, 16) if batch_first else torch.randn(10, 4, 16)
         expected = [t.shape for t in (lambda o: (o[0], *o[1]))(lstm(x))]
         calls: dict[str, int] = {}

@@ -15,8 +15,17 @@ from vramplan.trace.step import trace_training
 from vramplan.trace.summary import summarize_trace
 
 
-def _shape(dtype=torch.bfloat16, head=64, heads_kv=8, mask=False, dropout=0.1, grad=True,
-           causal=False, len_q=512, len_kv=512):
+def _shape(
+    dtype=torch.bfloat16,
+    head=64,
+    heads_kv=8,
+    mask=False,
+    dropout=0.1,
+    grad=True,
+    causal=False,
+    len_q=512,
+    len_kv=512,
+):
     return Attention(dtype, head, head, 8, heads_kv, len_q, len_kv, mask, dropout, causal, grad)
 
 
@@ -86,8 +95,13 @@ def gpt2_spec(gpt2_config):
 
 
 def _forward_activations(spec, policy, seq_len, checkpointing="none"):
-    recipe = Recipe(batch_size=2, seq_len=seq_len, precision="bf16", optimizer="sgd",
-                    checkpointing=checkpointing)
+    recipe = Recipe(
+        batch_size=2,
+        seq_len=seq_len,
+        precision="bf16",
+        optimizer="sgd",
+        checkpointing=checkpointing,
+    )
     trace = trace_training(resolve(spec, recipe), recipe, policy)
     return summarize_trace(trace).phase_components["forward"]["activations"], trace
 
@@ -104,10 +118,13 @@ def test_cuda_flash_keeps_what_the_cpu_fused_kernel_keeps(gpt2_spec):
 
 def test_recompute_under_checkpointing_uses_the_same_kernel(gpt2_spec):
     _, trace = _forward_activations(gpt2_spec, CudaPolicy("sm80"), 128, checkpointing="full")
-    kernels = {op: n for (phase, op), n in trace.op_counts.items()
-               if phase == "forward" and op.startswith("_scaled_dot_product")}
+    kernels = {
+        op: n
+        for (phase, op), n in trace.op_counts.items()
+        if phase == "forward" and op.startswith("_scaled_dot_product")
+    }
     assert len(kernels) == 1 and "math" not in next(iter(kernels))
-    (kernel, calls), = kernels.items()
+    ((kernel, calls),) = kernels.items()
     assert trace.op_counts[("backward", kernel)] == calls == 2 * 2  # recomputed, same kernel
     assert ("backward", "_safe_softmax") not in trace.op_counts
 

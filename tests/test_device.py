@@ -16,8 +16,6 @@ def tiny_gpt2(gpt2_config):
     return f"hf:{gpt2_config(vocab_size=1024, n_positions=128, n_embd=64)}"
 
 
-
-
 @pytest.mark.parametrize(
     "spelling,name",
     [
@@ -110,9 +108,7 @@ def test_figures_are_ordered_and_verdict_follows(run_cli, tiny_gpt2):
 
 
 def test_hopper_gets_the_larger_cublas_workspace(run_cli, tiny_gpt2):
-    code, out, _ = run_cli(
-        "estimate", tiny_gpt2, "--seq-len", "32", "--gpu", "h100", "--json"
-    )
+    code, out, _ = run_cli("estimate", tiny_gpt2, "--seq-len", "32", "--gpu", "h100", "--json")
     assert json.loads(out)["runtime"]["cublas_workspace"] == 2 * 32 * 2**20
 
 
@@ -160,9 +156,7 @@ def test_headroom_moves_fits_to_tight_and_oom_exits_3(run_cli, tiny_gpt2):
 
 
 def test_expandable_segments_map_whole_pages(run_cli, tiny_gpt2):
-    _, plain, _ = run_cli(
-        "estimate", tiny_gpt2, "--seq-len", "64", "--batch-size", "4", "--json"
-    )
+    _, plain, _ = run_cli("estimate", tiny_gpt2, "--seq-len", "64", "--batch-size", "4", "--json")
     _, expandable, _ = run_cli(
         "estimate",
         tiny_gpt2,

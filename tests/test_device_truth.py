@@ -34,12 +34,26 @@ def _conv_trace(calls: list[tuple[str, tuple[str, ...]]], shape=X, weight=W, str
     for i, (phase, passes) in enumerate(calls):
         allocations.append(Allocation(i, nbytes, "activations", phase, 1, "", "conv", i, None))
         markers.append(
-            OpMarker(i, phase, "convolution", nbytes, nbytes, input_shape=shape,
-                     weight_shape=weight, output_shape=shape, stride=stride, padding=(1, 1),
-                     dilation=(1, 1), groups=1, dtype="float32", passes=passes)
+            OpMarker(
+                i,
+                phase,
+                "convolution",
+                nbytes,
+                nbytes,
+                input_shape=shape,
+                weight_shape=weight,
+                output_shape=shape,
+                stride=stride,
+                padding=(1, 1),
+                dilation=(1, 1),
+                groups=1,
+                dtype="float32",
+                passes=passes,
+            )
         )
-    return Trace(tuple(allocations), (PhaseMark(0, "forward", 1),), len(calls),
-                 markers=tuple(markers))
+    return Trace(
+        tuple(allocations), (PhaseMark(0, "forward", 1),), len(calls), markers=tuple(markers)
+    )
 
 
 def _case(pass_="forward", shape=X, weight=W, stride=(1, 1)):
@@ -59,8 +73,13 @@ def _workspace_requests(requests, trace):
 
 
 def test_benchmark_off_one_workspace_per_call_sized_by_the_engine_rule():
-    trace = _conv_trace([("forward", ("forward",)), ("forward", ("forward",)),
-                         ("backward", ("backward_data", "backward_filter"))])
+    trace = _conv_trace(
+        [
+            ("forward", ("forward",)),
+            ("forward", ("forward",)),
+            ("backward", ("backward_data", "backward_filter")),
+        ]
+    )
     on = device_trace(trace, A100, cudnn_benchmark=False)
     fwd = engine_workspace(_case()).central
     dgrad = engine_workspace(_case("backward_data")).central
@@ -69,8 +88,14 @@ def test_benchmark_off_one_workspace_per_call_sized_by_the_engine_rule():
     x = 4 * 8 * 64 * 56 * 56
     assert fwd == int(2.25 * (x + x) + 4 * 4 * 64 * 64 * 9)
     assert _workspace_requests(requests_of(on), trace) == [
-        ("alloc", fwd), ("free", fwd), ("alloc", fwd), ("free", fwd),
-        ("alloc", dgrad), ("free", dgrad), ("alloc", wgrad), ("free", wgrad),
+        ("alloc", fwd),
+        ("free", fwd),
+        ("alloc", fwd),
+        ("free", fwd),
+        ("alloc", dgrad),
+        ("free", dgrad),
+        ("alloc", wgrad),
+        ("free", wgrad),
     ]
     # a 1x1 convolution runs implicit GEMM: no workspace at all
     pointwise = _conv_trace([("forward", ("forward",))], weight=(64, 64, 1, 1))
@@ -88,11 +113,14 @@ def test_benchmark_on_searches_once_then_empties_the_cache():
     workspace = engine_workspace(_case())
     added = _workspace_requests(requests, trace)
     assert added == [
-        ("alloc", workspace.candidates), ("free", max(workspace.candidates)),
+        ("alloc", workspace.candidates),
+        ("free", max(workspace.candidates)),
         ("empty_cache", 0),
-        ("alloc", workspace.central), ("free", workspace.central),
+        ("alloc", workspace.central),
+        ("free", workspace.central),
         # the second call of the same configuration: the cached plan's size, no search
-        ("alloc", workspace.central), ("free", workspace.central),
+        ("alloc", workspace.central),
+        ("free", workspace.central),
     ]
     config = AllocatorConfig()
     position = {kind: i for i, kind in reversed(list(enumerate(k for k, _ in added)))}
@@ -102,23 +130,45 @@ def test_benchmark_on_searches_once_then_empties_the_cache():
     assert after_find.reserved >= max(workspace.candidates)
     assert after_empty.reserved < after_find.reserved  # the search's segment is released
     # the search takes the largest candidate that fits max(device free, largest free block)
-    squeezed = replay(requests[: first_own + 1], config, device_free=after_empty.reserved
-                      + workspace.central + 4 * MiB).stats
+    squeezed = replay(
+        requests[: first_own + 1],
+        config,
+        device_free=after_empty.reserved + workspace.central + 4 * MiB,
+    ).stats
     assert squeezed.peak_reserved < after_find.peak_reserved
 
 
 def _measured_file(folder, stack, workspace, reserve):
-    case = {"pass": "forward", "dtype": "float32", "memory_format": "contiguous",
-            "input": list(X), "weight": list(W), "stride": [1, 1], "padding": [1, 1],
-            "dilation": [1, 1], "groups": 1, "benchmark": False,
-            "workspace_bytes": workspace, "reserved_growth_bytes": workspace,
-            "cache_emptied": False}
-    data = {"schema": "vramplan.measured/1", "gpu": "A100-40GB", "compute_capability": "8.0",
-            "stack": {"torch": stack[0], "cuda": stack[1], "cudnn": "9.1.0", "driver": "550.54"},
-            "floor": {"cuda_context": 500 * MiB},
-            "nvml": {"v1_used_idle": reserve, "v2_used_idle": 0,
-                     "driver_reserved_bytes": reserve, "total_bytes": 40960 * MiB},
-            "cublas": {}, "conv_workspaces": [case]}
+    case = {
+        "pass": "forward",
+        "dtype": "float32",
+        "memory_format": "contiguous",
+        "input": list(X),
+        "weight": list(W),
+        "stride": [1, 1],
+        "padding": [1, 1],
+        "dilation": [1, 1],
+        "groups": 1,
+        "benchmark": False,
+        "workspace_bytes": workspace,
+        "reserved_growth_bytes": workspace,
+        "cache_emptied": False,
+    }
+    data = {
+        "schema": "vramplan.measured/1",
+        "gpu": "A100-40GB",
+        "compute_capability": "8.0",
+        "stack": {"torch": stack[0], "cuda": stack[1], "cudnn": "9.1.0", "driver": "550.54"},
+        "floor": {"cuda_context": 500 * MiB},
+        "nvml": {
+            "v1_used_idle": reserve,
+            "v2_used_idle": 0,
+            "driver_reserved_bytes": reserve,
+            "total_bytes": 40960 * MiB,
+        },
+        "cublas": {},
+        "conv_workspaces": [case],
+    }
     path = folder / f"a100-40gb-torch{stack[0]}-cu{stack[1]}.json"
     path.write_text(json.dumps(data))
     return path
@@ -137,21 +187,27 @@ def test_a_measured_table_replaces_the_model_for_its_card_and_stack(tmp_path, mo
     assert device_options(gpu="a100-80gb", stack="torch2.5-cu12.4").measured is None
     model = device_trace(trace, A100, False)
     assert _workspace_requests(requests_of(model), trace)[0] == (
-        "alloc", engine_workspace(_case()).central)
+        "alloc",
+        engine_workspace(_case()).central,
+    )
 
 
 def _estimate(**options):
     import torch
 
-    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(),
-                          nn.Conv2d(16, 16, 3, padding=1), nn.AdaptiveAvgPool2d(1),
-                          nn.Flatten(), nn.Linear(16, 10))
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.ReLU(),
+        nn.Conv2d(16, 16, 3, padding=1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(16, 10),
+    )
     session = Session(model, example_batch=torch.randn(8, 3, 32, 32), **options)
     return session.estimate(batch_size=8)
 
 
-def test_the_range_brackets_the_figure_and_the_verdict_reads_its_high_end(tmp_path,
-                                                                          monkeypatch):
+def test_the_range_brackets_the_figure_and_the_verdict_reads_its_high_end(tmp_path, monkeypatch):
     monkeypatch.setenv(MEASURED_DIR_ENV, str(tmp_path))
     est = _estimate(gpu="a100-40gb", stack="torch2.5-cu12.4")
     peak = est.peak

@@ -87,10 +87,12 @@ def test_fsdp_per_rank_follows_the_sharding_arithmetic(llama):
     phase = single.details["phase_components"][rank.peak.phase]
     cast_cache = 2 * facts.parameters
     assert rank.components["activations"] == phase["activations"] - min(
-        cast_cache, phase["activations"])
+        cast_cache, phase["activations"]
+    )
     phase_states = sum(phase[k] for k in ("parameters", "gradients", "optimizer_state"))
     assert rank.peak.allocated_bytes == pytest.approx(
-        sum(phase.values()) - phase_states + rank_states - cast_cache, abs=16)
+        sum(phase.values()) - phase_states + rank_states - cast_cache, abs=16
+    )
     assert rank.peak.allocated_bytes < single.peak.allocated_bytes
     assert rank.peak.allocated_bytes <= rank.peak.reserved_bytes <= rank.peak.device_total_bytes
 
@@ -195,12 +197,12 @@ def test_gpus_needed_skips_offload_the_host_cannot_hold():
     from vramplan.device.verdict import judge
 
     recipe = Recipe(batch_size=1, seq_len=128, precision="fp32")
-    single = estimate_built(resolve("hf:qwen2.5-0.5b", recipe), recipe, "cuda",
-                            device_options(gpu="h100"))
+    single = estimate_built(
+        resolve("hf:qwen2.5-0.5b", recipe), recipe, "cuda", device_options(gpu="h100")
+    )
     facts = facts_of(resolve("hf:qwen2.5-0.5b", recipe))
     # judged against a 4 GiB card: ZeRO-3 with the optimizer on the host fits two
-    small = replace(single, verdict=judge("4GiB", 4 * 2**30, 0.0,
-                                          single.peak.device_total_bytes))
+    small = replace(single, verdict=judge("4GiB", 4 * 2**30, 0.0, single.peak.device_total_bytes))
     free = gpus_needed(small, facts)
     assert free.layout.offload_optimizer and free.gpus == 2
     host = free.estimate.details["parallel"]["host_state_bytes"]

@@ -61,8 +61,11 @@ def test_examples(name):
 
 def test_no_example_is_skipped():
     # An example skipped everywhere is not a test: write it as a plain ``::`` block.
-    skipped = [m for m in MODULES if "doctest: +SKIP" in Path(
-        importlib.util.find_spec(m).origin).read_text()]
+    skipped = [
+        m
+        for m in MODULES
+        if "doctest: +SKIP" in Path(importlib.util.find_spec(m).origin).read_text()
+    ]
     assert skipped == []
 
 

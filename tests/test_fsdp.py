@@ -85,8 +85,9 @@ def test_rank_saves_the_sharded_state_share(runs):
 
 
 def test_layout_formula_is_within_its_bound_of_the_trace(runs):
-    formula = per_rank(runs["single"], ParallelLayout(shard="fsdp", data_parallel=WORLD),
-                       runs["facts"])
+    formula = per_rank(
+        runs["single"], ParallelLayout(shard="fsdp", data_parallel=WORLD), runs["facts"]
+    )
     traced = runs["fsdp"].peak.allocated_bytes
     # the formula is the conservative fallback (used with TP/PP and in the GPU-count
     # search): never below the trace, at most 30% above it
@@ -118,12 +119,28 @@ def test_device_figures_and_nccl(runs):
 
 
 def test_cli_fsdp_is_traced(capsys, llama_spec):
-    code = main(["estimate", llama_spec, "--seq-len", "64", "--batch-size", "2", "--fsdp", "4",
-                 "--gpu", "h100", "--json"])
+    code = main(
+        [
+            "estimate",
+            llama_spec,
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "2",
+            "--fsdp",
+            "4",
+            "--gpu",
+            "h100",
+            "--json",
+        ]
+    )
     data = json.loads(capsys.readouterr().out)
     assert code == 0
     assert data["details"]["parallel"] == data["details"]["parallel"] | {
-        "layout": "fsdp dp=4", "world_size": 4, "traced": True}
+        "layout": "fsdp dp=4",
+        "world_size": 4,
+        "traced": True,
+    }
     assert data["runtime"]["nccl"] > 0
 
 

@@ -80,8 +80,9 @@ def _module_built(factory, shape):
 
 @pytest.fixture
 def gpt2_two_layers(gpt2_config):
-    path = gpt2_config(vocab_size=1000, n_positions=128, n_embd=64, n_head=4,
-                       tie_word_embeddings=True)
+    path = gpt2_config(
+        vocab_size=1000, n_positions=128, n_embd=64, n_head=4, tie_word_embeddings=True
+    )
     return lambda recipe: resolve(f"hf:{path}", recipe)
 
 

@@ -92,13 +92,10 @@ def test_measure_bad_device(run_cli, models):
         assert code == 2 and "needs a CUDA GPU" in err
 
 
-def test_calibrated_profile_replaces_the_runtime_table(run_cli, gpt2_config, tmp_path,
-                                                       monkeypatch):
+def test_calibrated_profile_replaces_the_runtime_table(run_cli, gpt2_config, tmp_path, monkeypatch):
     monkeypatch.setenv("VRAMPLAN_PROFILE_DIR", str(tmp_path))
     config = gpt2_config(vocab_size=256, n_positions=32, n_layer=1)
-    code, out, _ = run_cli(
-        "estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4", "--json"
-    )
+    code, out, _ = run_cli("estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4", "--json")
     before = json.loads(out)
     profile = DeviceProfile(
         gpu="L4",
@@ -111,9 +108,7 @@ def test_calibrated_profile_replaces_the_runtime_table(run_cli, gpt2_config, tmp
     )
     path = save_profile(profile)
     assert load_profile(path) == profile
-    code, out, _ = run_cli(
-        "estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4", "--json"
-    )
+    code, out, _ = run_cli("estimate", f"hf:{config}", "--seq-len", "16", "--gpu", "l4", "--json")
     after = json.loads(out)
     assert after["runtime"]["cuda_context"] == 1_343 * 2**20
     assert after["peak"]["device_total_bytes"] == (

@@ -148,8 +148,14 @@ def test_plan_reproduces_through_ordinary_flags(capsys, tiny_cnn):
 
 @pytest.mark.parametrize(
     "gpu,amp",
-    [("B200", "amp-bf16"), ("RTX-5090", "amp-bf16"), ("A100-80GB", "amp-bf16"),
-     ("MI300X", "amp-bf16"), ("T4", "amp-fp16"), ("V100-16GB", "amp-fp16")],
+    [
+        ("B200", "amp-bf16"),
+        ("RTX-5090", "amp-bf16"),
+        ("A100-80GB", "amp-bf16"),
+        ("MI300X", "amp-bf16"),
+        ("T4", "amp-fp16"),
+        ("V100-16GB", "amp-fp16"),
+    ],
 )
 def test_mixed_precision_lever_follows_compute_capability(gpu, amp):
     # "sm100" < "sm80" as strings: Blackwell must still be offered bf16, pre-Ampere fp16.
@@ -157,6 +163,7 @@ def test_mixed_precision_lever_follows_compute_capability(gpu, amp):
     levers = {name: changes for name, changes, _ in _candidates(bench, Recipe(batch_size=4))}
     assert levers["mixed precision"] == {"precision": amp}
     assert ("bf16 weights" in levers) == (amp == "amp-bf16")
+
 
 def test_nothing_fits_says_so(tiny_cnn):
     bench = _bench(tiny_cnn, "512MiB")

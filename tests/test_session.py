@@ -42,8 +42,19 @@ def test_session_answers_what_the_cli_prints(capsys, tiny_cnn):
     assert best.beyond.verdict.status != "fits" and best.estimate.verdict.status == "fits"
 
     answer = session.plan(**{**knobs, "batch_size": best.value + 1})
-    cli = _cli_json(capsys, "plan", tiny_cnn, "--batch-size", str(best.value + 1),
-                    "--input-shape", "3x32x32", "--optimizer", "adam", "--gpu-memory", CARD)
+    cli = _cli_json(
+        capsys,
+        "plan",
+        tiny_cnn,
+        "--batch-size",
+        str(best.value + 1),
+        "--input-shape",
+        "3x32x32",
+        "--optimizer",
+        "adam",
+        "--gpu-memory",
+        CARD,
+    )
     assert answer.to_json()["plan"] == cli["plan"]
     assert [lever["peak"] for lever in answer.to_json()["levers"]] == [
         lever["peak"] for lever in cli["levers"]
@@ -65,8 +76,9 @@ def test_session_reuses_its_traces(tiny_cnn):
 
 
 def test_module_conveniences_wrap_the_session(tiny_cnn):
-    direct = vramplan.Session(tiny_cnn, gpu_memory=CARD).estimate(batch_size=2,
-                                                                 input_shape="3x32x32")
+    direct = vramplan.Session(tiny_cnn, gpu_memory=CARD).estimate(
+        batch_size=2, input_shape="3x32x32"
+    )
     wrapped = vramplan.estimate(tiny_cnn, gpu_memory=CARD, batch_size=2, input_shape="3x32x32")
     assert wrapped.peak == direct.peak
 

@@ -80,8 +80,10 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
 def main() -> None:
     published = {r["row_id"]: r for r in csv.DictReader(SOURCE.open())} if SOURCE.exists() else {}
     mapped = list(csv.DictReader((HERE / "published.csv").open()))
-    print("| row | quality | model | metric | measured MiB | estimate MiB | error | "
-          "range MiB | in range |")
+    print(
+        "| row | quality | model | metric | measured MiB | estimate MiB | error | "
+        "range MiB | in range |"
+    )
     print("| --- | --- | --- | --- | ---: | ---: | ---: | ---: | --- |")
     by_quality: dict[str, list[float]] = {}
     # per source group: error, covered, (high - central) / central

@@ -1,10 +1,10 @@
 """Module-level conveniences, each a thin wrapper of ``Session`` or of an analytic source::
 
-    import vramplan
-    est = vramplan.estimate("torchvision:resnet50", batch_size=32, optimizer="sgd", gpu="t4")
-    est.components["gradients"] == est.model.parameter_bytes   # True
-    vramplan.max_batch_size("hf:gpt2", gpu="a10g", seq_len=1024).value
-    vramplan.plan("hf:meta-llama-3-8b", gpu="a100-80gb", batch_size=8, seq_len=4096)
+import vramplan
+est = vramplan.estimate("torchvision:resnet50", batch_size=32, optimizer="sgd", gpu="t4")
+est.components["gradients"] == est.model.parameter_bytes   # True
+vramplan.max_batch_size("hf:gpt2", gpu="a10g", seq_len=1024).value
+vramplan.plan("hf:meta-llama-3-8b", gpu="a100-80gb", batch_size=8, seq_len=4096)
 """
 
 from __future__ import annotations
@@ -110,9 +110,7 @@ def measure(
 ) -> Comparison:
     """Run the step for real and put the estimate beside the measurement."""
     session, knobs = _split(options)
-    return Session(model, **session).measure(
-        device=device, steps=steps, snapshot=snapshot, **knobs
-    )
+    return Session(model, **session).measure(device=device, steps=steps, snapshot=snapshot, **knobs)
 
 
 def estimate_step(

@@ -22,6 +22,7 @@ from vramplan.version import __version__, library_versions
 
 SCHEMA = "vramplan.estimate/1"
 
+
 class _Named(str, Enum):
     """A string-valued enum that prints, formats and serialises as its value."""
 

@@ -43,8 +43,12 @@ from vramplan.units import parse_bytes
 
 TARGETS = ("cuda", "cpu")
 FRAMEWORKS = ("pytorch", "tensorflow")
-SEARCHES = {"batch_size": "batch_size", "batch-size": "batch_size",
-            "seq_len": "seq_len", "seq-len": "seq_len"}
+SEARCHES = {
+    "batch_size": "batch_size",
+    "batch-size": "batch_size",
+    "seq_len": "seq_len",
+    "seq-len": "seq_len",
+}
 TENSORFLOW_NOTE = (
     "TensorFlow reserves nearly the whole card at start-up unless memory growth is on "
     "(tf.config.experimental.set_memory_growth); nvidia-smi then shows the card as full "
@@ -87,8 +91,14 @@ class Session:
         self.target = target
         self.framework = framework
         self.device = device_options(
-            gpu, gpu_memory, headroom, alloc_conf, cudnn_benchmark, profile=profile,
-            stack=stack, used_counter=used_counter,
+            gpu,
+            gpu_memory,
+            headroom,
+            alloc_conf,
+            cudnn_benchmark,
+            profile=profile,
+            stack=stack,
+            used_counter=used_counter,
         )
         self._example_batch = example_batch
         self._loss_fn = loss_fn
@@ -141,9 +151,7 @@ class Session:
         when nothing fits one card. Without a card, every catalog GPU is judged."""
         recipe = _recipe(recipe, knobs)
         limit = (
-            parse_bytes(host_memory, "host memory")
-            if isinstance(host_memory, str)
-            else host_memory
+            parse_bytes(host_memory, "host memory") if isinstance(host_memory, str) else host_memory
         )
         host = HostOptions(workers=workers, limit_bytes=limit, offload_optimizer=offload_optimizer)
         every_gpu = self.device.gpu is None
@@ -164,8 +172,10 @@ class Session:
         the measurement, with relative errors and a leak check."""
         recipe = _recipe(recipe, knobs)
         if isinstance(self.model, nn.Module):
-            raise UserError("measure runs a model by its source name; an nn.Module's own "
-                            "weights would be trained")
+            raise UserError(
+                "measure runs a model by its source name; an nn.Module's own "
+                "weights would be trained"
+            )
         device = check_device(device, steps)
         if device == "cuda":
             card = local_card()
@@ -197,9 +207,7 @@ class Session:
 
     def _build(self, recipe: Recipe, device: str = "meta") -> BuiltModel:
         if isinstance(self.model, nn.Module):
-            return module_source(
-                self.model, recipe, self.name, self._example_batch, self._loss_fn
-            )
+            return module_source(self.model, recipe, self.name, self._example_batch, self._loss_fn)
         return resolve(self.model, recipe, device)
 
     def _workbench(self, default_gpu: str | None = None) -> Workbench:

@@ -1,9 +1,9 @@
 """The typer application every command module registers itself on.
 
-    from vramplan.cli.app import app
+from vramplan.cli.app import app
 
-    @app.command("gpus")
-    def gpus_command() -> int: ...
+@app.command("gpus")
+def gpus_command() -> int: ...
 """
 
 from __future__ import annotations

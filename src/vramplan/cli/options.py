@@ -68,8 +68,16 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print the vramplan.estima
 UnitsOpt = Annotated[str, typer.Option("--units", help="binary (MiB/GiB) | decimal (MB/GB).")]
 
 
-RECIPE_OPTIONS = ("batch_size", "seq_len", "input_shape", "precision", "optimizer",
-                  "checkpointing", "grad_accum", "mode")
+RECIPE_OPTIONS = (
+    "batch_size",
+    "seq_len",
+    "input_shape",
+    "precision",
+    "optimizer",
+    "checkpointing",
+    "grad_accum",
+    "mode",
+)
 
 
 def recipe_from_options(options: dict) -> Recipe:

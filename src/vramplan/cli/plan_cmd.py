@@ -120,8 +120,14 @@ def plan_command(
     if html or plot:
         baseline = answer.levers.baseline
         curve = batch_curve_for(baseline, session.batch_curve_points(baseline)) if html else None
-        write_reports(baseline, html=html, plot=plot, units=units, batch_curve=curve,
-                      plan=plan_rows(answer, units))
+        write_reports(
+            baseline,
+            html=html,
+            plot=plot,
+            units=units,
+            batch_curve=curve,
+            plan=plan_rows(answer, units),
+        )
     if json_output:
         print_json(answer.to_json())
     else:

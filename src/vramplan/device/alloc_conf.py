@@ -17,7 +17,6 @@ ROUNDUP_INTERVALS = 16
 UNLIMITED = 2**63
 
 
-
 def is_power_of_two(value: int) -> bool:
     return value > 0 and value & (value - 1) == 0
 

@@ -224,7 +224,8 @@ class CachingAllocator:
             stats.allocated_at_peak_reserved = stats.allocated
         elif stats.reserved == stats.peak_reserved:  # the most allocated while held
             stats.allocated_at_peak_reserved = max(
-                stats.allocated_at_peak_reserved, stats.allocated)
+                stats.allocated_at_peak_reserved, stats.allocated
+            )
 
     def _free_block(self, pool: _Pool, rounded: int, stream: int) -> Block | None:
         block = pool.best_fit(rounded, stream)

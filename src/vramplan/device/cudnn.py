@@ -139,8 +139,9 @@ def engine_workspace(case: ConvCase, engines: dict | None = None) -> Workspace:
     y = n * k * math.prod(out) * element
     w = math.prod(case.weight) * element
     # PRECOMP_GEMM / GEMM "small": one image's column (im2col) buffer
-    small = int(engines["small_images"] * (c // case.groups) * math.prod(kernel) * math.prod(out)
-                * element)
+    small = int(
+        engines["small_images"] * (c // case.groups) * math.prod(kernel) * math.prod(out) * element
+    )
     unit = all(r == 1 for r in kernel)
     stride1 = all(s == 1 for s in case.stride) and all(d == 1 for d in case.dilation)
     if case.groups > 1:

@@ -122,14 +122,22 @@ def device_trace(
                 workspace = conv_workspace(case, cudnn_benchmark, measured)
                 if cudnn_benchmark:  # the search: time candidates, then emptyCache()
                     allocations.append(
-                        _workspace(next_id, max(workspace.candidates), slot, marker.phase,
-                                   iteration, FIND, slot + 1)
+                        _workspace(
+                            next_id,
+                            max(workspace.candidates),
+                            slot,
+                            marker.phase,
+                            iteration,
+                            FIND,
+                            slot + 1,
+                        )
                     )
                     candidates[next_id] = workspace.candidates
                     empties.add(next_id + 1)
                     allocations.append(
-                        _workspace(next_id + 1, 0, slot + 2, marker.phase, iteration,
-                                   EMPTY_CACHE, None)
+                        _workspace(
+                            next_id + 1, 0, slot + 2, marker.phase, iteration, EMPTY_CACHE, None
+                        )
                     )
                     next_id += 2
                     slot += 3
@@ -137,8 +145,7 @@ def device_trace(
             nbytes = workspaces[case].pick(variant)
             if nbytes:
                 allocations.append(
-                    _workspace(next_id, nbytes, slot, marker.phase, iteration, WORKSPACE,
-                               slot + 1)
+                    _workspace(next_id, nbytes, slot, marker.phase, iteration, WORKSPACE, slot + 1)
                 )
                 next_id += 1
             slot += 2
@@ -187,7 +194,12 @@ def _replays(trace: Trace, options: DeviceOptions, config: AllocatorConfig, usab
     runs: dict[str, _Run] = {}
     for variant in VARIANTS:
         outside = outside_allocator(
-            trace, gpu, options.data_parallel, options.profile, options.software, variant,
+            trace,
+            gpu,
+            options.data_parallel,
+            options.profile,
+            options.software,
+            variant,
             options.measured,
         )
         central = runs.get("central")
@@ -196,9 +208,7 @@ def _replays(trace: Trace, options: DeviceOptions, config: AllocatorConfig, usab
         ):
             runs[variant] = _Run(central.on_device, outside, central.result)
             continue
-        on_device = device_trace(
-            trace, gpu, options.cudnn_benchmark, variant, options.measured
-        )
+        on_device = device_trace(trace, gpu, options.cudnn_benchmark, variant, options.measured)
         result = replay(requests_of(on_device), config, device_free=usable - outside.total)
         runs[variant] = _Run(on_device, outside, result)
     return runs
@@ -272,8 +282,10 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
         if not oom:
             job_total = limited.stats.peak_reserved + outside.total
     reserved_range, total_range, widths = _range(runs, counted_reserve)
-    total_range = [min(total_range[0], job_total + counted_reserve),
-                   max(total_range[1], job_total + counted_reserve)]
+    total_range = [
+        min(total_range[0], job_total + counted_reserve),
+        max(total_range[1], job_total + counted_reserve),
+    ]
     device_total = job_total + counted_reserve
 
     workspaces = {
@@ -303,8 +315,11 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
     stack = options.software
     notes.append(
         f"device total as {options.used_counter} 'used' counts it "
-        + (f"(driver reserve {reserve // 2**20} MiB included)" if counted_reserve
-           else "(driver reserve excluded)")
+        + (
+            f"(driver reserve {reserve // 2**20} MiB included)"
+            if counted_reserve
+            else "(driver reserve excluded)"
+        )
         + f"; stack {stack.slug}, {'lazy' if stack.lazy_loading else 'eager'} module loading"
     )
     cases = central.on_device.workspaces
@@ -313,7 +328,8 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
         notes.append(
             f"cuDNN workspaces per call from an engine model ({len(cases)} configurations"
             + (f", {from_table} measured" if from_table else "")
-            + "; benchmark " + ("on" if options.cudnn_benchmark else "off")
+            + "; benchmark "
+            + ("on" if options.cudnn_benchmark else "off")
             + "): `vramplan calibrate` or a measured table narrows it"
         )
     if retries:
@@ -332,7 +348,11 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
     verdict = None
     if options.gpu:
         verdict = judge(
-            gpu.name, usable, options.headroom, job_total, oom,
+            gpu.name,
+            usable,
+            options.headroom,
+            job_total,
+            oom,
             high=total_range[1] - counted_reserve,
         )
         if verdict.status != "oom" and total_range[1] - counted_reserve > verdict.usable_bytes:

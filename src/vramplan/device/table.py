@@ -1,7 +1,7 @@
 """The bundled runtime figures (``data/runtime.json``), each with its source.
 
-    >>> runtime_table()["cublas_workspace"]["sm90_bytes"]
-    33554432
+>>> runtime_table()["cublas_workspace"]["sm90_bytes"]
+33554432
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The verdict: does the step fit a card once a headroom margin is kept free?
 
-    >>> judge("T4", 16 * 2**30, 0.10, 15 * 2**30).status
-    'tight'
+>>> judge("T4", 16 * 2**30, 0.10, 15 * 2**30).status
+'tight'
 """
 
 from __future__ import annotations

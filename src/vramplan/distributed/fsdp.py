@@ -82,17 +82,23 @@ class Fsdp2:
             blocks = [b for b in repeated_blocks(model) if any(True for _ in b.parameters())]
             for block in blocks:
                 fully_shard(
-                    block, mesh=mesh, reshard_after_forward=self.reshard_after_forward,
+                    block,
+                    mesh=mesh,
+                    reshard_after_forward=self.reshard_after_forward,
                     mp_policy=policy,
                 )
-            fully_shard(model, mesh=mesh, reshard_after_forward=self.reshard_after_forward,
-                        mp_policy=policy)
+            fully_shard(
+                model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy
+            )
             gathered = f"{half}".replace("torch.", "") if half else "their own dtype"
             yield [
                 f"FSDP2 traced as rank 0 of {self.world_size} on a fake process group: "
                 f"fully_shard on {len(blocks)} blocks and the root, gathered in {gathered}, "
-                + ("resharded after forward" if self.reshard_after_forward
-                   else "kept gathered from forward to backward")
+                + (
+                    "resharded after forward"
+                    if self.reshard_after_forward
+                    else "kept gathered from forward to backward"
+                )
             ]
 
     @contextlib.contextmanager

@@ -158,9 +158,15 @@ def _cast_copies(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> tu
     return saved, total - saved
 
 
-def _rank_components(components: dict[str, int], phase: Phase, layout: ParallelLayout,
-                     gpu_states: int, buckets: int, cast: tuple[int, int],
-                     block_cast: int) -> dict[str, int]:
+def _rank_components(
+    components: dict[str, int],
+    phase: Phase,
+    layout: ParallelLayout,
+    gpu_states: int,
+    buckets: int,
+    cast: tuple[int, int],
+    block_cast: int,
+) -> dict[str, int]:
     """One phase's peak components as a rank holds them: model states by the sharding
     formulas (with the optimizer offloaded, a rank keeps parameters and gradients only);
     activations, inputs and forward/backward temporaries by the layout's share, less the
@@ -190,8 +196,11 @@ def _rank_components(components: dict[str, int], phase: Phase, layout: ParallelL
         rank[Component.TEMPORARIES] = buckets  # the step runs on the host (DeepSpeed's CPU Adam)
     elif phase == Phase.OPTIMIZER:
         sharded = layout.shard != "none"
-        divisor = layout.tensor_parallel * layout.pipeline_parallel * (
-            layout.data_parallel if sharded else 1)
+        divisor = (
+            layout.tensor_parallel
+            * layout.pipeline_parallel
+            * (layout.data_parallel if sharded else 1)
+        )
         rank[Component.TEMPORARIES] = components[Component.TEMPORARIES] // divisor + buckets
     else:
         unmade = cast_held + cast_saved - saved
@@ -212,9 +221,11 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
     phases = est.details.get("phase_components") or {est.peak.phase: est.components}
     cast = _cast_copies(est, layout, facts)
     block_cast = 2 * facts.largest_block_parameters if cast != (0, 0) else 0
-    candidates = {phase: _rank_components(components, phase, layout, gpu_states, buckets,
-                                          cast, block_cast)
-                  for phase, components in phases.items() if phase != Phase.SETUP}
+    candidates = {
+        phase: _rank_components(components, phase, layout, gpu_states, buckets, cast, block_cast)
+        for phase, components in phases.items()
+        if phase != Phase.SETUP
+    }
     phase, components = max(candidates.items(), key=lambda kv: sum(kv[1].values()))
     allocated = sum(components.values())
     fragmentation = (est.peak.reserved_bytes or est.peak.allocated_bytes) - est.peak.allocated_bytes
@@ -227,29 +238,53 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
     runtime = dict(est.runtime)
     runtime["nccl"] = runtime.get("nccl", 0) + nccl
     details = dict(est.details)
-    details["parallel"] = {"layout": layout.describe(), "world_size": layout.world_size,
-                           "model_state_bytes_per_gpu": gpu_states,
-                           "host_state_bytes": host_states, "bucket_bytes": buckets,
-                           "activation_share": round(_activation_share(layout), 4),
-                           "phase_peaks": {p: sum(c.values()) for p, c in candidates.items()}}
-    notes = (*est.notes, f"per-rank figures for {layout.describe()}: model states by the "
-             "sharding formulas, activations from the single-GPU trace scaled by the layout "
-             "(DeepSpeed, and FSDP with TP/PP, are not traced themselves)")
+    details["parallel"] = {
+        "layout": layout.describe(),
+        "world_size": layout.world_size,
+        "model_state_bytes_per_gpu": gpu_states,
+        "host_state_bytes": host_states,
+        "bucket_bytes": buckets,
+        "activation_share": round(_activation_share(layout), 4),
+        "phase_peaks": {p: sum(c.values()) for p, c in candidates.items()},
+    }
+    notes = (
+        *est.notes,
+        f"per-rank figures for {layout.describe()}: model states by the "
+        "sharding formulas, activations from the single-GPU trace scaled by the layout "
+        "(DeepSpeed, and FSDP with TP/PP, are not traced themselves)",
+    )
     # the single-GPU range's widths carry over; the verdict reads the job's own memory
     # (the driver reserve an nvml-v1 total counts is outside the usable capacity)
-    counted = (est.runtime.get("driver_reserved", 0)
-               if est.details.get("used_counter") == "nvml-v1" else 0)
+    counted = (
+        est.runtime.get("driver_reserved", 0) if est.details.get("used_counter") == "nvml-v1" else 0
+    )
     central = est.peak.device_total_bytes or 0
     low, high = est.peak.device_total_range_bytes or (central, central)
     total_range = (device_total - (central - low), device_total + (high - central))
-    peak = Peak(allocated_bytes=allocated, phase=phase, iteration=est.peak.iteration,
-                reserved_bytes=reserved, device_total_bytes=device_total,
-                fragmentation_bytes=reserved - allocated,
-                device_total_range_bytes=total_range if est.peak.device_total_range_bytes
-                else None)
+    peak = Peak(
+        allocated_bytes=allocated,
+        phase=phase,
+        iteration=est.peak.iteration,
+        reserved_bytes=reserved,
+        device_total_bytes=device_total,
+        fragmentation_bytes=reserved - allocated,
+        device_total_range_bytes=total_range if est.peak.device_total_range_bytes else None,
+    )
     verdict = None
     if est.verdict is not None:
-        verdict = judge(est.verdict.gpu, est.verdict.capacity_bytes, est.verdict.headroom,
-                        device_total - counted, high=total_range[1] - counted)
-    return replace(est, components=components, peak=peak, runtime=runtime, details=details,
-                   notes=notes, verdict=verdict)
+        verdict = judge(
+            est.verdict.gpu,
+            est.verdict.capacity_bytes,
+            est.verdict.headroom,
+            device_total - counted,
+            high=total_range[1] - counted,
+        )
+    return replace(
+        est,
+        components=components,
+        peak=peak,
+        runtime=runtime,
+        details=details,
+        notes=notes,
+        verdict=verdict,
+    )

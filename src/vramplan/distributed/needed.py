@@ -51,9 +51,7 @@ class GpusNeeded:
         }
 
 
-def gpus_needed(
-    estimate: Estimate, facts: ModelFacts, host_limit: int | None = None
-) -> GpusNeeded:
+def gpus_needed(estimate: Estimate, facts: ModelFacts, host_limit: int | None = None) -> GpusNeeded:
     """Search world sizes 1, 2, 4, ... for the first layout whose every rank fits (and,
     with ``host_limit``, whose offloaded state fits the host's RAM)."""
     if estimate.verdict is None:

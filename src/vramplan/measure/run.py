@@ -129,8 +129,11 @@ def local_card() -> GpuSpec:
     try:
         return lookup_gpu(props.name.replace("NVIDIA ", ""))
     except UserError:
-        arch = props.gcnArchName.split(":")[0] if torch.version.hip else (
-            f"sm{props.major}{props.minor}")
+        arch = (
+            props.gcnArchName.split(":")[0]
+            if torch.version.hip
+            else (f"sm{props.major}{props.minor}")
+        )
         return gpu_from_memory(f"{props.total_memory}B", arch=arch)
 
 

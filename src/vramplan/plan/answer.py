@@ -62,12 +62,8 @@ def answer_plan(
     options = [*levers.levers, *([levers.plan] if levers.plan else [])]
     cards = catalog() if judge_every_gpu else (bench.device.card,)
     fleet = gpus_that_fit(bench, recipe, options, cards)
-    ram = host_memory(
-        levers.baseline, host, levers.baseline.details.get("optimizer_state_bytes")
-    )
-    return PlanAnswer(
-        levers, tuple(fleet), ram, bench.traces, judge_every_gpu, needed, needed_note
-    )
+    ram = host_memory(levers.baseline, host, levers.baseline.details.get("optimizer_state_bytes"))
+    return PlanAnswer(levers, tuple(fleet), ram, bench.traces, judge_every_gpu, needed, needed_note)
 
 
 def gpus_needed_for(

@@ -1,7 +1,7 @@
 """A workbench that estimates a model under many recipes, counting and caching traces::
 
-    bench = Workbench("torchvision:resnet18", device_options(gpu="t4"))
-    bench.estimate(Recipe(batch_size=64)).verdict.status   # 'fits'; traced once, then cached
+bench = Workbench("torchvision:resnet18", device_options(gpu="t4"))
+bench.estimate(Recipe(batch_size=64)).verdict.status   # 'fits'; traced once, then cached
 """
 
 from __future__ import annotations
@@ -50,9 +50,7 @@ class Workbench:
         key = recipe_key(recipe)
         if key not in self._done:
             self.traces += 1
-            self._done[key] = trace_and_estimate(
-                self.built(recipe), recipe, "cuda", self.device
-            )
+            self._done[key] = trace_and_estimate(self.built(recipe), recipe, "cuda", self.device)
         return self._done[key]
 
     def estimate(self, recipe: Recipe) -> Estimate:
@@ -71,6 +69,5 @@ class Workbench:
         """The same traced step judged against another card."""
         estimate, trace = self.run(recipe)
         options = replace(self.device, gpu=gpu, profile=profile_for(gpu.name))
-        tensor_level = estimate_from_trace(trace, estimate.model, recipe, "cuda",
-                                           list(trace.notes))
+        tensor_level = estimate_from_trace(trace, estimate.model, recipe, "cuda", list(trace.notes))
         return apply_device(tensor_level, trace, options)

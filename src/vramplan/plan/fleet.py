@@ -1,8 +1,8 @@
 """Which catalog GPUs fit a step, and with which levers when it does not fit as it is::
 
-    rows = gpus_that_fit(bench, Recipe(batch_size=32), plan)
-    rows[0].gpu, rows[0].status, rows[0].levers
-    # e.g. ('T4', 'oom', 'mixed precision + activation checkpointing')
+rows = gpus_that_fit(bench, Recipe(batch_size=32), plan)
+rows[0].gpu, rows[0].status, rows[0].levers
+# e.g. ('T4', 'oom', 'mixed precision + activation checkpointing')
 """
 
 from __future__ import annotations

@@ -114,10 +114,17 @@ def _candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]
         )
         found.append(("mixed precision", {"precision": amp}, {"precision_risk": risk}))
         if amp == "amp-bf16":
-            found.append(("bf16 weights", {"precision": "bf16"}, {
-                "precision_risk": "weights, gradients and optimizer state in bf16: small "
-                                  "updates can round away (Kahan summation or stochastic "
-                                  "rounding help)"}))
+            found.append(
+                (
+                    "bf16 weights",
+                    {"precision": "bf16"},
+                    {
+                        "precision_risk": "weights, gradients and optimizer state in bf16: small "
+                        "updates can round away (Kahan summation or stochastic "
+                        "rounding help)"
+                    },
+                )
+            )
     if recipe.checkpointing == "none" and recipe.is_training:
         found.append(("activation checkpointing", {"checkpointing": "full"}, {}))
     if recipe.optimizer in ADAM_FAMILY:
@@ -263,8 +270,11 @@ def _first_plan(
             changes = _selective(bench, recipe, lever.changes)
             return _result(bench, recipe, lever.name, changes, lever.cost, baseline, base_flops)
     precisions = [lever for lever in singles if "precision" in lever.changes] or [None]
-    others = [lever for lever in singles
-              if "precision" not in lever.changes and lever.name != "gradient accumulation"]
+    others = [
+        lever
+        for lever in singles
+        if "precision" not in lever.changes and lever.name != "gradient accumulation"
+    ]
     for precision in precisions:
         changes = dict(precision.changes) if precision else {}
         names = [precision.name] if precision else []
@@ -274,11 +284,13 @@ def _first_plan(
                 names = [*names, lever.name]
             if not changes:
                 continue
-            trial = changes if bench.fits(_apply(recipe, changes)) else (
-                _accumulate(bench, recipe, changes) if recipe.batch_size > 1 else None)
+            trial = (
+                changes
+                if bench.fits(_apply(recipe, changes))
+                else (_accumulate(bench, recipe, changes) if recipe.batch_size > 1 else None)
+            )
             if trial is not None:
                 trial = _selective(bench, recipe, trial)
                 label = names + (["gradient accumulation"] if "grad_accum" in trial else [])
-                return _result(bench, recipe, " + ".join(label), trial, {}, baseline,
-                               base_flops)
+                return _result(bench, recipe, " + ".join(label), trial, {}, baseline, base_flops)
     return None

@@ -1,6 +1,6 @@
 """The per-layer table that ``vramplan layers`` prints before its estimate.
 
-    render_layers(vramplan.layers("examples/vgg16.yaml"), "binary")
+render_layers(vramplan.layers("examples/vgg16.yaml"), "binary")
 """
 
 from __future__ import annotations

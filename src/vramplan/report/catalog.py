@@ -1,6 +1,6 @@
 """The GPU catalog as a terminal table, or as JSON rows.
 
-    render_gpus(vramplan.gpus(), "binary")
+render_gpus(vramplan.gpus(), "binary")
 """
 
 from __future__ import annotations

@@ -295,11 +295,13 @@ def _summary_rows(est: Estimate, units: Units) -> list[list[str]]:
         ("device total range", est.peak.device_total_range_bytes),
     ):
         if pair is not None:
-            rows.append([
-                label,
-                f"{format_bytes(pair[0], units)} – {format_bytes(pair[1], units)}",
-                f"{pair[0]:,} – {pair[1]:,}",
-            ])
+            rows.append(
+                [
+                    label,
+                    f"{format_bytes(pair[0], units)} – {format_bytes(pair[1], units)}",
+                    f"{pair[0]:,} – {pair[1]:,}",
+                ]
+            )
     rows += [
         [LABELS[n], format_bytes(est.components[n], units), f"{est.components[n]:,}"]
         for n in COMPONENTS

@@ -143,8 +143,11 @@ def render_plan(answer: PlanAnswer, units: str) -> None:
     if needed is not None:
         rank = format_bytes(needed.estimate.peak.device_total_bytes, units)
         offloaded_bytes = host_state_bytes(needed.estimate)
-        offloaded = (f"; offloaded state on the host: {format_bytes(offloaded_bytes, units)}"
-                     if offloaded_bytes else "")
+        offloaded = (
+            f"; offloaded state on the host: {format_bytes(offloaded_bytes, units)}"
+            if offloaded_bytes
+            else ""
+        )
         console.print(
             f"Needs [bold]{needed.gpus} x {result.baseline.verdict.gpu}[/bold] with "
             f"[bold]{needed.layout.describe()}[/bold] {needed_note}: {rank} per GPU, "

@@ -1,6 +1,6 @@
 """``--plot file.png``: the breakdown and the timeline as an image (matplotlib, optional)::
 
-    write_plot(estimate, "memory.png")
+write_plot(estimate, "memory.png")
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Print an Estimate as the terminal table or the JSON contract, and pick the exit code::
 
-    code = emit(est, json_output=True, units="binary")   # prints the JSON; 0 when it fits
+code = emit(est, json_output=True, units="binary")   # prints the JSON; 0 when it fits
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The terminal view of an Estimate, drawn with rich::
 
-    render_estimate(est, "binary")   # peak lines, bar, breakdown table, notes
+render_estimate(est, "binary")   # peak lines, bar, breakdown table, notes
 """
 
 from __future__ import annotations

@@ -40,8 +40,7 @@ def _direction(steps: torch.Tensor, h, c, weights, reverse: bool):
     return torch.stack(outputs), h, c
 
 
-def native_lstm(x, hx, params, has_biases, num_layers, dropout, train, bidirectional,
-                batch_first):
+def native_lstm(x, hx, params, has_biases, num_layers, dropout, train, bidirectional, batch_first):
     """``_VF.lstm`` (dense input, no projection) as PyTorch's CUDA LSTM runs it without
     cuDNN."""
     h0, c0 = hx
@@ -53,7 +52,7 @@ def native_lstm(x, hx, params, has_biases, num_layers, dropout, train, bidirecti
         outputs = []
         for direction in range(directions):
             index = layer * directions + direction
-            weights = list(params[index * per:(index + 1) * per])
+            weights = list(params[index * per : (index + 1) * per])
             if not has_biases:  # the meta kernel wants biases: zeros, without gradients
                 zeros = torch.zeros(weights[0].size(0), dtype=weights[0].dtype)
                 weights += [zeros, zeros]

@@ -110,8 +110,11 @@ def _efficient_ok(a: Attention, arch: str) -> bool:
         alignment = max(alignment, 128 // (16 if half else 32))
     if a.head_dim_qk % alignment or a.head_dim_v % alignment:
         return False
-    allowed = (torch.float16, torch.float32, torch.bfloat16) if major >= 8 else (
-        torch.float16, torch.float32)
+    allowed = (
+        (torch.float16, torch.float32, torch.bfloat16)
+        if major >= 8
+        else (torch.float16, torch.float32)
+    )
     return a.dtype in allowed
 
 
@@ -143,8 +146,7 @@ def _autocast(*tensors):
         return tensors
     dtype = torch.get_autocast_dtype("cpu")
     return tuple(
-        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
-        for t in tensors
+        t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in tensors
     )
 
 
@@ -201,23 +203,46 @@ def cuda_sdpa(arch: str, calls: dict[str, int]) -> Iterator[None]:
     original = F.scaled_dot_product_attention
 
     def scaled_dot_product_attention(
-        query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+        query,
+        key,
+        value,
+        attn_mask=None,
+        dropout_p=0.0,
+        is_causal=False,
+        scale=None,
         enable_gqa=False,
     ):
         if query.is_nested or query.dim() != 4:
-            return original(query, key, value, attn_mask, dropout_p, is_causal, scale=scale,
-                            enable_gqa=enable_gqa)
+            return original(
+                query,
+                key,
+                value,
+                attn_mask,
+                dropout_p,
+                is_causal,
+                scale=scale,
+                enable_gqa=enable_gqa,
+            )
         query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
-        needs_grad = torch.is_grad_enabled() and any(
-            t.requires_grad for t in (query, key, value))
+        needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         shape = Attention.of(query, key, value, attn_mask, dropout_p, is_causal, needs_grad)
         backend = choose_backend(shape, arch)
         if backend != "math" and shape.heads_q != shape.heads_kv and not enable_gqa:
             backend = "math"  # without enable_gqa the head counts must match
         calls[backend] = calls.get(backend, 0) + 1
         with torch.autocast("cpu", enabled=False):
-            return _run(backend, query, key, value, attn_mask, dropout_p, is_causal, scale,
-                        enable_gqa, needs_grad)
+            return _run(
+                backend,
+                query,
+                key,
+                value,
+                attn_mask,
+                dropout_p,
+                is_causal,
+                scale,
+                enable_gqa,
+                needs_grad,
+            )
 
     F.scaled_dot_product_attention = scaled_dot_product_attention
     try:

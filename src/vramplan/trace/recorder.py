@@ -80,8 +80,10 @@ def conv_fields(func, args, kwargs, out) -> dict:
     else:
         passes = ("forward",)
         y = out if isinstance(out, torch.Tensor) else None
-    channels_last = x.dim() == 4 and x.is_contiguous(memory_format=torch.channels_last) and (
-        not x.is_contiguous()
+    channels_last = (
+        x.dim() == 4
+        and x.is_contiguous(memory_format=torch.channels_last)
+        and (not x.is_contiguous())
     )
     return {
         "input_shape": _shape(x),
