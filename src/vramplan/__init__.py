@@ -18,29 +18,68 @@ and the classic arithmetic, without tracing:
 without tracing.
 """
 
-from vramplan.api import (
-    calc,
-    calibrate,
-    estimate,
-    estimate_step,
-    gpus,
-    layers,
-    llm,
-    max_batch_size,
-    measure,
-    models,
-    parallel_layout,
-    plan,
-)
-from vramplan.distributed.layout import ParallelLayout
+from typing import TYPE_CHECKING
+
 from vramplan.errors import UserError
-from vramplan.measure.compare import Comparison
-from vramplan.plan.answer import PlanAnswer
-from vramplan.plan.search import SearchResult
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Estimate, Phase
-from vramplan.session import Session
 from vramplan.version import __version__
+
+if TYPE_CHECKING:
+    from vramplan.api import (
+        calibrate,
+        estimate,
+        estimate_step,
+        max_batch_size,
+        measure,
+        parallel_layout,
+        plan,
+    )
+    from vramplan.distributed.layout import ParallelLayout
+    from vramplan.measure.compare import Comparison
+    from vramplan.plan.answer import PlanAnswer
+    from vramplan.plan.search import SearchResult
+    from vramplan.quick import calc, gpus, layers, llm, models
+    from vramplan.session import Session
+
+# Where each public name lives. Importing the package imports none of them: torch (and the
+# model libraries) load on the first use of a name that needs them, so ``vramplan calc``,
+# ``llm``, ``gpus`` and ``--help`` start without torch (PEP 562).
+_LAZY = {
+    "Session": "vramplan.session",
+    "estimate": "vramplan.api",
+    "estimate_step": "vramplan.api",
+    "max_batch_size": "vramplan.api",
+    "plan": "vramplan.api",
+    "measure": "vramplan.api",
+    "calibrate": "vramplan.api",
+    "parallel_layout": "vramplan.api",
+    "calc": "vramplan.quick",
+    "layers": "vramplan.quick",
+    "llm": "vramplan.quick",
+    "gpus": "vramplan.quick",
+    "models": "vramplan.quick",
+    "ParallelLayout": "vramplan.distributed.layout",
+    "SearchResult": "vramplan.plan.search",
+    "PlanAnswer": "vramplan.plan.answer",
+    "Comparison": "vramplan.measure.compare",
+}
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'vramplan' has no attribute {name!r}")
+    from importlib import import_module
+
+    value = getattr(import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __all__ = [
     "Session",

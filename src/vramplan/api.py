@@ -1,4 +1,5 @@
-"""Module-level conveniences, each a thin wrapper of ``Session`` or of an analytic source::
+"""Module-level conveniences, each a thin wrapper of ``Session`` (the answers without tracing
+— ``calc``, ``layers``, ``llm``, ``gpus``, ``models`` — are in ``quick.py``)::
 
 import vramplan
 est = vramplan.estimate("torchvision:resnet50", batch_size=32, optimizer="sgd", gpu="t4")
@@ -16,10 +17,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramplan.analytic.calc import METHODS, calculate
-from vramplan.analytic.layers import layers_estimate, load_spec
-from vramplan.analytic.transformer import LoRA, Parallelism, transformer_estimate
-from vramplan.device.catalog import GpuSpec, catalog
 from vramplan.device.options import device_options
 from vramplan.device.profile import DeviceProfile, save_profile
 from vramplan.distributed.layout import ParallelLayout
@@ -30,13 +27,10 @@ from vramplan.measure.compare import Comparison
 from vramplan.pipeline import estimate_user_step
 from vramplan.plan.answer import PlanAnswer
 from vramplan.plan.search import SearchResult
-from vramplan.recipe import Recipe, parse_shape
+from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.session import Session
-from vramplan.sources import model_names
-from vramplan.sources.hf import load_config_dict
 from vramplan.sources.user_code import meta_copy
-from vramplan.units import parse_count
 
 SESSION_OPTIONS = (
     "gpu",
@@ -186,100 +180,6 @@ def parallel_layout(**flags: Any) -> ParallelLayout:
     """A ParallelLayout from the command line's flags (``fsdp=8``, ``zero=3, dp=4``,
     ``tp=2, sp=True``, ``pp=4, microbatches=8``); one GPU when none is given."""
     return layout_from_flags(**flags)
-
-
-def calc(
-    params: str | int,
-    *,
-    activations_per_sample: str | int = 0,
-    batch_size: int = 1,
-    input_shape: str | tuple[int, ...] | None = None,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    mode: str = "train",
-    method: str = "pytorch",
-) -> Estimate:
-    """The classic arithmetic (``vramplan calc``): ``params`` and activations per sample
-    as numbers or with suffixes (``"20M"``, ``"1.3B"``)."""
-    recipe = Recipe(batch_size=batch_size, precision=precision, optimizer=optimizer, mode=mode)
-    return calculate(
-        parse_count(params, "parameter count"),
-        batch_size,
-        parse_count(activations_per_sample, "activations per sample"),
-        recipe,
-        _method(method),
-        parse_shape(input_shape) if isinstance(input_shape, str) else input_shape,
-    )
-
-
-def layers(
-    spec: str | Path,
-    *,
-    batch_size: int = 1,
-    precision: str = "fp32",
-    optimizer: str = "adamw",
-    mode: str = "train",
-    method: str = "pytorch",
-) -> Estimate:
-    """A table of layers from a YAML/JSON spec, shapes propagated (``vramplan layers``)."""
-    recipe = Recipe(batch_size=batch_size, precision=precision, optimizer=optimizer, mode=mode)
-    return layers_estimate(load_spec(str(spec)), recipe, _method(method), name=str(spec))
-
-
-def llm(
-    model: str,
-    *,
-    batch_size: int = 1,
-    seq_len: int | None = None,
-    precision: str = "amp-bf16",
-    optimizer: str = "adamw",
-    mode: str = "train",
-    attention: str = "flash",
-    recompute: str = "none",
-    tp: int = 1,
-    sp: bool = False,
-    lora_rank: int = 0,
-    qlora: bool = False,
-) -> Estimate:
-    """Transformer formulas from an ``hf:`` config, no model built (``vramplan llm``)."""
-    if attention not in ("flash", "eager"):
-        raise UserError(f"unknown attention {attention!r}; choose flash or eager")
-    if recompute not in ("none", "selective", "full"):
-        raise UserError(f"unknown recompute {recompute!r}; choose none, selective or full")
-    if lora_rank < 0 or (qlora and lora_rank == 0):
-        raise UserError("--qlora needs --lora-rank R (a positive rank)")
-    prefix, _, name = model.partition(":")
-    if prefix != "hf" or not name:
-        raise UserError(f"llm takes hf:NAME or hf:path/config.json, got {model!r}")
-    label, config = load_config_dict(name)
-    recipe = Recipe(
-        batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer, mode=mode
-    )
-    return transformer_estimate(
-        config,
-        recipe,
-        f"hf:{label}",
-        flash=attention == "flash",
-        parallel=Parallelism(tp, sp),
-        recompute=recompute,
-        lora=LoRA(lora_rank, 4 if qlora else 16) if lora_rank else None,
-    )
-
-
-def _method(method: str) -> str:
-    if method not in METHODS:
-        raise UserError(f"unknown method {method!r}; choose pytorch or cs231n")
-    return method
-
-
-def gpus() -> tuple[GpuSpec, ...]:
-    """The GPU catalog."""
-    return catalog()
-
-
-def models(source: str = "hf") -> list[str]:
-    """The model names a source (``hf``, ``torchvision``, ``timm``) accepts."""
-    return model_names(source)
 
 
 def calibrate(output: str | Path | None = None) -> tuple[DeviceProfile, Path]:

@@ -6,11 +6,15 @@ table for the HTML report.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.table import Table
 
-from vramplan.measure.compare import Comparison
 from vramplan.units import format_bytes
+
+if TYPE_CHECKING:
+    from vramplan.measure.compare import Comparison
 
 
 def comparison_rows(result: Comparison, units: str) -> list[list[str]]:

@@ -6,13 +6,17 @@ report.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from rich.console import Console
 from rich.table import Table
 
 from vramplan.distributed.needed import host_state_bytes
-from vramplan.plan.answer import PlanAnswer
-from vramplan.plan.search import SearchResult
 from vramplan.units import format_bytes
+
+if TYPE_CHECKING:
+    from vramplan.plan.answer import PlanAnswer
+    from vramplan.plan.search import SearchResult
 
 
 def render_max_batch(result: SearchResult, units: str) -> None:

@@ -6,9 +6,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
-from vramplan.sources.base import BuiltModel
+
+if TYPE_CHECKING:
+    from vramplan.sources.base import BuiltModel
 
 PREFIXES = ("torchvision", "timm", "hf")
 
@@ -43,6 +47,15 @@ def resolve(spec: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
 __all__ = ["BuiltModel", "resolve", "model_names", "PREFIXES"]
 
 
+def __getattr__(name: str):
+    """``BuiltModel`` on first use: ``model_names("hf")`` imports no torch."""
+    if name == "BuiltModel":
+        from vramplan.sources.base import BuiltModel
+
+        return BuiltModel
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def model_names(source: str) -> list[str]:
     """Names ``source:NAME`` accepts (``hf``: the bundled configs).
 
@@ -50,7 +63,7 @@ def model_names(source: str) -> list[str]:
     True
     """
     if source == "hf":
-        from vramplan.sources.hf import bundled_configs
+        from vramplan.sources.configs import bundled_configs
 
         return bundled_configs()
     if source == "torchvision":

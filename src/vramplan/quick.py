@@ -1,0 +1,118 @@
+"""Answers without tracing — ``calc``, ``layers``, ``llm``, ``gpus`` and ``models`` — in a
+module that imports neither torch nor a model library, so the commands built on it start
+in a fraction of a second::
+
+    >>> calc("20M", optimizer="sgd").components["gradients"]
+    80000000
+    >>> gpus()[0].name != ""
+    True
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from vramplan.analytic.calc import METHODS, calculate
+from vramplan.analytic.layers import layers_estimate, load_spec
+from vramplan.analytic.transformer import LoRA, Parallelism, transformer_estimate
+from vramplan.device.catalog import GpuSpec, catalog
+from vramplan.errors import UserError
+from vramplan.recipe import Recipe, parse_shape
+from vramplan.result import Estimate
+from vramplan.sources import model_names
+from vramplan.sources.configs import load_config_dict
+from vramplan.units import parse_count
+
+
+def calc(
+    params: str | int,
+    *,
+    activations_per_sample: str | int = 0,
+    batch_size: int = 1,
+    input_shape: str | tuple[int, ...] | None = None,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    mode: str = "train",
+    method: str = "pytorch",
+) -> Estimate:
+    """The classic arithmetic (``vramplan calc``): ``params`` and activations per sample
+    as numbers or with suffixes (``"20M"``, ``"1.3B"``)."""
+    recipe = Recipe(batch_size=batch_size, precision=precision, optimizer=optimizer, mode=mode)
+    return calculate(
+        parse_count(params, "parameter count"),
+        batch_size,
+        parse_count(activations_per_sample, "activations per sample"),
+        recipe,
+        _method(method),
+        parse_shape(input_shape) if isinstance(input_shape, str) else input_shape,
+    )
+
+
+def layers(
+    spec: str | Path,
+    *,
+    batch_size: int = 1,
+    precision: str = "fp32",
+    optimizer: str = "adamw",
+    mode: str = "train",
+    method: str = "pytorch",
+) -> Estimate:
+    """A table of layers from a YAML/JSON spec, shapes propagated (``vramplan layers``)."""
+    recipe = Recipe(batch_size=batch_size, precision=precision, optimizer=optimizer, mode=mode)
+    return layers_estimate(load_spec(str(spec)), recipe, _method(method), name=str(spec))
+
+
+def llm(
+    model: str,
+    *,
+    batch_size: int = 1,
+    seq_len: int | None = None,
+    precision: str = "amp-bf16",
+    optimizer: str = "adamw",
+    mode: str = "train",
+    attention: str = "flash",
+    recompute: str = "none",
+    tp: int = 1,
+    sp: bool = False,
+    lora_rank: int = 0,
+    qlora: bool = False,
+) -> Estimate:
+    """Transformer formulas from an ``hf:`` config, no model built (``vramplan llm``)."""
+    if attention not in ("flash", "eager"):
+        raise UserError(f"unknown attention {attention!r}; choose flash or eager")
+    if recompute not in ("none", "selective", "full"):
+        raise UserError(f"unknown recompute {recompute!r}; choose none, selective or full")
+    if lora_rank < 0 or (qlora and lora_rank == 0):
+        raise UserError("--qlora needs --lora-rank R (a positive rank)")
+    prefix, _, name = model.partition(":")
+    if prefix != "hf" or not name:
+        raise UserError(f"llm takes hf:NAME or hf:path/config.json, got {model!r}")
+    label, config = load_config_dict(name)
+    recipe = Recipe(
+        batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer, mode=mode
+    )
+    return transformer_estimate(
+        config,
+        recipe,
+        f"hf:{label}",
+        flash=attention == "flash",
+        parallel=Parallelism(tp, sp),
+        recompute=recompute,
+        lora=LoRA(lora_rank, 4 if qlora else 16) if lora_rank else None,
+    )
+
+
+def _method(method: str) -> str:
+    if method not in METHODS:
+        raise UserError(f"unknown method {method!r}; choose pytorch or cs231n")
+    return method
+
+
+def gpus() -> tuple[GpuSpec, ...]:
+    """The GPU catalog."""
+    return catalog()
+
+
+def models(source: str = "hf") -> list[str]:
+    """The model names a source (``hf``, ``torchvision``, ``timm``) accepts."""
+    return model_names(source)
