@@ -32,7 +32,7 @@ from vramplan.measure.leak import check_leak
 from vramplan.measure.run import check_device, local_card, measure_built
 from vramplan.pipeline import estimate_built
 from vramplan.plan.answer import PlanAnswer, answer_plan
-from vramplan.plan.bench import Workbench
+from vramplan.plan.bench import TraceEvent, TraceLog, Workbench, trace_label
 from vramplan.plan.host import HostOptions
 from vramplan.plan.search import SearchResult, largest_fitting
 from vramplan.recipe import Recipe
@@ -63,6 +63,8 @@ class Session:
     (``alloc_conf``), cuDNN benchmark mode, and a measured device ``profile``.
 
     ``target="cpu"`` traces what the CPU itself does instead of emulating a CUDA GPU.
+    ``progress(event)`` is called as each trace starts and ends (a ``TraceEvent``: label,
+    index, seconds once done); ``Session.log`` keeps every trace's label and seconds.
     """
 
     def __init__(
@@ -81,6 +83,7 @@ class Session:
         framework: str = "pytorch",
         example_batch: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        progress: Callable[[TraceEvent], None] | None = None,
     ) -> None:
         if target not in TARGETS:
             raise UserError(f"unknown target {target!r}; choose cuda or cpu")
@@ -103,6 +106,8 @@ class Session:
         self._example_batch = example_batch
         self._loss_fn = loss_fn
         self._bench: Workbench | None = None
+        self.log = TraceLog(progress)
+        """Every trace this session ran, with its label and seconds."""
 
     # -- the questions -------------------------------------------------------------------
 
@@ -185,9 +190,13 @@ class Session:
                 profile=self.device.profile or profile_for(card.name),
                 measured=measured_for(card.name, self.device.software.slug),
             )
-            estimate = estimate_built(self._build(recipe), recipe, "cuda", options)
+            estimate = self._timed(
+                recipe, lambda: estimate_built(self._build(recipe), recipe, "cuda", options)
+            )
         else:
-            estimate = estimate_built(self._build(recipe), recipe, "cpu")
+            estimate = self._timed(
+                recipe, lambda: estimate_built(self._build(recipe), recipe, "cpu")
+            )
         measured = measure_built(self._build(recipe, device), recipe, device, steps, snapshot)
         return Comparison(
             estimate,
@@ -214,15 +223,19 @@ class Session:
         """The trace cache on this session's card (or on ``default_gpu`` when none)."""
         if default_gpu is not None and self.device.gpu is None:
             options = replace(self.device, gpu=lookup_gpu(default_gpu))
-            return Workbench(self.name, options, lambda _name, r: self._build(r))
+            return Workbench(self.name, options, lambda _name, r: self._build(r), self.log)
         if self._bench is None:
-            self._bench = Workbench(self.name, self.device, lambda _name, r: self._build(r))
+            self._bench = Workbench(
+                self.name, self.device, lambda _name, r: self._build(r), self.log
+            )
         return self._bench
 
     def _single(self, recipe: Recipe) -> Estimate:
         if self.target == "cuda" and self.device.gpu is not None:
             return self._workbench().estimate(recipe)
-        return estimate_built(self._build(recipe), recipe, self.target, self.device)
+        return self._timed(
+            recipe, lambda: estimate_built(self._build(recipe), recipe, self.target, self.device)
+        )
 
     def _per_rank(self, recipe: Recipe, layout: ParallelLayout) -> Estimate:
         engine = engine_for(layout)
@@ -230,10 +243,18 @@ class Session:
         built = self._build(recipe)
         facts = facts_of(built)
         check_layout(layout, facts)
-        result = estimate_built(built, recipe, self.target, device, engine=engine)
+        what = f"FSDP rank of {layout.data_parallel}" if engine is not None else ""
+        result = self._timed(
+            recipe,
+            lambda: estimate_built(built, recipe, self.target, device, engine=engine),
+            what,
+        )
         if engine is not None:
             return with_traced_layout(result, layout)
         return per_rank(result, layout, facts)
+
+    def _timed(self, recipe: Recipe, run: Callable[[], Estimate], what: str = "") -> Estimate:
+        return self.log.timed(trace_label(self.name, recipe, what), run)
 
 
 def _recipe(recipe: Recipe | None, knobs: dict[str, Any]) -> Recipe:

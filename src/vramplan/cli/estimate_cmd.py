@@ -32,6 +32,7 @@ from vramplan.cli.options import (
     PpOpt,
     PrecisionOpt,
     ProfileOpt,
+    QuietOpt,
     ReshardOpt,
     SeqLen,
     ShardOpt,
@@ -45,7 +46,8 @@ from vramplan.cli.options import (
     ZeroOpt,
     recipe_from_options,
 )
-from vramplan.report.outputs import batch_curve_for, write_reports
+from vramplan.report.outputs import batch_curve_for, curve_sizes, write_reports
+from vramplan.report.progress import progress_wanted, trace_progress
 from vramplan.report.render import check_units, emit
 
 
@@ -86,6 +88,7 @@ def estimate_command(
     microbatches: MicrobatchesOpt = 1,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
+    quiet: QuietOpt = False,
 ) -> int:
     """Trace one training (or inference) step with fake tensors and break down its peak."""
     check_units(units)
@@ -104,20 +107,24 @@ def estimate_command(
         pp=pp,
         microbatches=microbatches,
     )
-    session = vramplan.Session(
-        model,
-        gpu=gpu,
-        gpu_memory=gpu_memory,
-        headroom=headroom,
-        alloc_conf=alloc_conf,
-        cudnn_benchmark=cudnn_benchmark,
-        profile=profile,
-        stack=stack,
-        used_counter=used_counter,
-        target=target,
-        framework=framework,
-    )
-    result = session.estimate(recipe, layout=layout)
-    curve = batch_curve_for(result, session.batch_curve_points(result, layout)) if html else None
+    expected = len(curve_sizes(recipe.batch_size)) if html else 1
+    with trace_progress(progress_wanted(json_output, quiet), expected=expected) as progress:
+        session = vramplan.Session(
+            model,
+            gpu=gpu,
+            gpu_memory=gpu_memory,
+            headroom=headroom,
+            alloc_conf=alloc_conf,
+            cudnn_benchmark=cudnn_benchmark,
+            profile=profile,
+            stack=stack,
+            used_counter=used_counter,
+            target=target,
+            framework=framework,
+            progress=progress,
+        )
+        result = session.estimate(recipe, layout=layout)
+        points = session.batch_curve_points(result, layout)
+        curve = batch_curve_for(result, points) if html else None
     write_reports(result, html=html, plot=plot, units=units, batch_curve=curve)
     return emit(result, json_output=json_output, units=units)

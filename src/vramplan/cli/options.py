@@ -184,3 +184,9 @@ MicrobatchesOpt = Annotated[
         help="Micro-batches per step with --pp (the batch size is per micro-batch).",
     ),
 ]
+QuietOpt = Annotated[
+    bool,
+    typer.Option(
+        "--quiet", "-q", help="No progress line on stderr while tracing (--json implies it)."
+    ),
+]

@@ -28,12 +28,14 @@ from vramplan.cli.options import (
     OptimizerOpt,
     PlotOpt,
     PrecisionOpt,
+    QuietOpt,
     SeqLen,
     UnitsOpt,
     recipe_from_options,
 )
 from vramplan.report.outputs import batch_curve_for, write_reports
 from vramplan.report.plan import plan_rows, render_max_batch, render_plan
+from vramplan.report.progress import progress_wanted, trace_progress
 from vramplan.report.render import check_units, print_json
 
 SearchOpt = Annotated[str, typer.Option("--search", help="batch-size | seq-len")]
@@ -66,14 +68,21 @@ def max_batch_command(
     alloc_conf: AllocConfOpt = None,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
+    quiet: QuietOpt = False,
 ) -> int:
     """The largest batch (or --search seq-len: the longest context) that fits the card."""
     check_units(units)
     recipe = recipe_from_options(locals())
-    session = vramplan.Session(
-        model, gpu=gpu, gpu_memory=gpu_memory, headroom=headroom, alloc_conf=alloc_conf
-    )
-    result = session.max_batch(recipe, search=search)
+    with trace_progress(progress_wanted(json_output, quiet)) as progress:
+        session = vramplan.Session(
+            model,
+            gpu=gpu,
+            gpu_memory=gpu_memory,
+            headroom=headroom,
+            alloc_conf=alloc_conf,
+            progress=progress,
+        )
+        result = session.max_batch(recipe, search=search)
     if json_output:
         print_json(result.to_json())
     else:
@@ -103,23 +112,31 @@ def plan_command(
     plot: PlotOpt = None,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
+    quiet: QuietOpt = False,
 ) -> int:
     """Rank the levers that cut memory and give the first plan that fits; without --gpu,
     judge every catalog GPU."""
     check_units(units)
     recipe = recipe_from_options(locals())
-    session = vramplan.Session(
-        model, gpu=gpu, gpu_memory=gpu_memory, headroom=headroom, alloc_conf=alloc_conf
-    )
-    answer = session.plan(
-        recipe,
-        host_memory=host_memory_limit,
-        workers=workers,
-        offload_optimizer=offload_optimizer,
-    )
-    if html or plot:
+    with trace_progress(progress_wanted(json_output, quiet)) as progress:
+        session = vramplan.Session(
+            model,
+            gpu=gpu,
+            gpu_memory=gpu_memory,
+            headroom=headroom,
+            alloc_conf=alloc_conf,
+            progress=progress,
+        )
+        answer = session.plan(
+            recipe,
+            host_memory=host_memory_limit,
+            workers=workers,
+            offload_optimizer=offload_optimizer,
+        )
         baseline = answer.levers.baseline
-        curve = batch_curve_for(baseline, session.batch_curve_points(baseline)) if html else None
+        points = session.batch_curve_points(baseline)
+        curve = batch_curve_for(baseline, points) if html else None
+    if html or plot:
         write_reports(
             baseline,
             html=html,

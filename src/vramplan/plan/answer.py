@@ -35,12 +35,20 @@ class PlanAnswer:
     needed_note: str = ""
     """With ``needed``: the extra condition (``with --checkpointing full``); without it:
     why no layout fits."""
+    traced: tuple[tuple[str, float], ...] = ()
+    """What each trace was and its seconds (build, trace and device replay)."""
+
+    @property
+    def trace_seconds(self) -> tuple[float, ...]:
+        return tuple(seconds for _, seconds in self.traced)
 
     def to_json(self) -> dict:
         data = self.levers.to_json()
         data["gpus"] = [row.to_json() for row in self.fleet]
         data["host"] = self.host.to_json()
         data["traces"] = self.traces
+        data["trace_seconds"] = [round(seconds, 3) for seconds in self.trace_seconds]
+        data["trace_labels"] = [label for label, _ in self.traced]
         if self.needed is not None:
             data["gpus_needed"] = {**self.needed.to_json(), "with": self.needed_note}
         else:
@@ -55,6 +63,7 @@ def answer_plan(
 ) -> PlanAnswer:
     """Levers on ``bench``'s card; the GPUs needed when none of them fits; every catalog
     card (``judge_every_gpu``) or just this one, with the levers that make each fit."""
+    before = bench.traces
     levers = plan_levers(bench, recipe)
     needed, needed_note = None, ""
     if not judge_every_gpu and levers.baseline.verdict.status != "fits" and levers.plan is None:
@@ -63,7 +72,16 @@ def answer_plan(
     cards = catalog() if judge_every_gpu else (bench.device.card,)
     fleet = gpus_that_fit(bench, recipe, options, cards)
     ram = host_memory(levers.baseline, host, levers.baseline.details.get("optimizer_state_bytes"))
-    return PlanAnswer(levers, tuple(fleet), ram, bench.traces, judge_every_gpu, needed, needed_note)
+    return PlanAnswer(
+        levers,
+        tuple(fleet),
+        ram,
+        bench.traces - before,
+        judge_every_gpu,
+        needed,
+        needed_note,
+        bench.log.since(before),
+    )
 
 
 def gpus_needed_for(

@@ -1,12 +1,18 @@
-"""A workbench that estimates a model under many recipes, counting and caching traces::
+"""A workbench that estimates a model under many recipes, counting, timing and caching
+traces::
 
 bench = Workbench("torchvision:resnet18", device_options(gpu="t4"))
 bench.estimate(Recipe(batch_size=64)).verdict.status   # 'fits'; traced once, then cached
+bench.log.seconds()                                    # (2.1,): how long each trace took
+
+A ``TraceLog`` times every trace and tells an optional ``progress(event)`` callback when
+each one starts and ends (the command line's progress line, ``report/progress.py``).
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -27,6 +33,76 @@ def recipe_key(recipe: Recipe) -> str:
     return json.dumps(recipe.to_json(), sort_keys=True)
 
 
+def describe(recipe: Recipe) -> str:
+    """A short label of a recipe: ``batch 8, seq 4096, bf16, adamw, checkpointing 4``.
+
+    >>> describe(Recipe(batch_size=8, seq_len=4096, precision="bf16"))
+    'batch 8, seq 4096, bf16, adamw'
+    """
+    parts = [f"batch {recipe.batch_size}"]
+    if recipe.seq_len is not None:
+        parts.append(f"seq {recipe.seq_len}")
+    parts.append(recipe.precision)
+    if recipe.is_training:
+        parts.append(recipe.optimizer)
+        if recipe.checkpointing != "none":
+            parts.append(f"checkpointing {recipe.checkpointing}")
+        if recipe.grad_accum > 1:
+            parts.append(f"grad-accum {recipe.grad_accum}")
+    else:
+        parts.append("inference")
+    return ", ".join(parts)
+
+
+def trace_label(model: str, recipe: Recipe, what: str = "") -> str:
+    """What a trace is, for the progress line and the trace list: ``hf:gpt2: FLOPs, batch 8,
+    ...``."""
+    return f"{model}: {what + ', ' if what else ''}{describe(recipe)}"
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One trace as a progress callback sees it: ``seconds`` is None as it starts and its
+    duration once it has ended; ``index`` counts the log's traces from 1."""
+
+    label: str
+    index: int
+    seconds: float | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.seconds is not None
+
+
+@dataclass
+class TraceLog:
+    """Every trace a session runs, with what it was and how long it took (build, trace and
+    device replay together); ``progress(event)`` is told as each starts and ends."""
+
+    progress: Callable[[TraceEvent], None] | None = None
+    records: list[tuple[str, float]] = field(default_factory=list)
+
+    def timed(self, label: str, run: Callable[[], Any]) -> Any:
+        """``run()``, timed and reported under ``label``."""
+        index = len(self.records) + 1
+        if self.progress is not None:
+            self.progress(TraceEvent(label, index))
+        start = time.perf_counter()
+        result = run()
+        seconds = time.perf_counter() - start
+        self.records.append((label, seconds))
+        if self.progress is not None:
+            self.progress(TraceEvent(label, index, seconds))
+        return result
+
+    def __len__(self) -> int:
+        return len(self.records)
+
+    def since(self, count: int) -> tuple[tuple[str, float], ...]:
+        """The records after the first ``count``."""
+        return tuple(self.records[count:])
+
+
 @dataclass
 class Workbench:
     """Estimates of one model under varying recipes on one device setting."""
@@ -34,12 +110,21 @@ class Workbench:
     model: str
     device: DeviceOptions
     build: Callable[[str, Recipe], BuiltModel] = resolve
-    traces: int = 0
+    log: TraceLog = field(default_factory=TraceLog)
     _done: dict[str, tuple[Estimate, Trace]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device.gpu is None:
             raise UserError("planning needs a card: give --gpu NAME or --gpu-memory SIZE")
+
+    @property
+    def traces(self) -> int:
+        """Traces run so far (FLOP-counting traces of ``plan`` included)."""
+        return len(self.log)
+
+    def timed(self, recipe: Recipe, run: Callable[[], Any], what: str = "") -> Any:
+        """``run()`` (a trace of ``recipe``) timed and reported on the log."""
+        return self.log.timed(trace_label(self.model, recipe, what), run)
 
     def built(self, recipe: Recipe) -> BuiltModel:
         """The model built (on the meta device) for ``recipe``."""
@@ -49,8 +134,10 @@ class Workbench:
         """The estimate and trace of ``recipe`` (traced once, then cached)."""
         key = recipe_key(recipe)
         if key not in self._done:
-            self.traces += 1
-            self._done[key] = trace_and_estimate(self.built(recipe), recipe, "cuda", self.device)
+            self._done[key] = self.timed(
+                recipe,
+                lambda: trace_and_estimate(self.built(recipe), recipe, "cuda", self.device),
+            )
         return self._done[key]
 
     def estimate(self, recipe: Recipe) -> Estimate:
@@ -58,9 +145,12 @@ class Workbench:
 
     def sharded(self, recipe: Recipe, engine: Any) -> Estimate:
         """One rank of ``recipe`` traced under a sharding ``engine`` (``Fsdp2``)."""
-        self.traces += 1
         device = replace(self.device, data_parallel=engine.world_size)
-        return estimate_built(self.built(recipe), recipe, "cuda", device, engine)
+        return self.timed(
+            recipe,
+            lambda: estimate_built(self.built(recipe), recipe, "cuda", device, engine),
+            f"FSDP rank of {engine.world_size}",
+        )
 
     def fits(self, recipe: Recipe) -> bool:
         return self.estimate(recipe).verdict.status == "fits"

@@ -94,7 +94,11 @@ class _CountingPolicy(CudaPolicy):
 def step_flops(bench: Workbench, recipe: Recipe) -> int:
     """FLOPs of the traced run (two iterations) under ``recipe``."""
     policy = _CountingPolicy(bench.device.card.arch)
-    trace_and_estimate(bench.built(recipe), recipe, "cuda", bench.device, policy)
+    bench.timed(
+        recipe,
+        lambda: trace_and_estimate(bench.built(recipe), recipe, "cuda", bench.device, policy),
+        "FLOPs",
+    )
     return policy.counter.get_total_flops()
 
 

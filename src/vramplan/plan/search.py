@@ -32,6 +32,12 @@ class SearchResult:
     beyond: Estimate | None
     traces: int
     bisection_traces: int
+    traced: tuple[tuple[str, float], ...] = ()
+    """What each trace was and its seconds (build, trace and device replay)."""
+
+    @property
+    def trace_seconds(self) -> tuple[float, ...]:
+        return tuple(seconds for _, seconds in self.traced)
 
     def to_json(self) -> dict:
         key = "max_batch_size" if self.knob == "batch_size" else "max_seq_len"
@@ -41,6 +47,8 @@ class SearchResult:
             "knob": self.knob,
             "traces": self.traces,
             "bisection_traces": self.bisection_traces,
+            "trace_seconds": [round(seconds, 3) for seconds in self.trace_seconds],
+            "trace_labels": [label for label, _ in self.traced],
             "estimate": self.estimate.to_json(timeline=False),
         }
         if self.beyond is not None:
@@ -125,6 +133,7 @@ def largest_fitting(
         beyond,
         bench.traces - before,
         bisection_traces=bisection_cost(first, low),
+        traced=bench.log.since(before),
     )
 
 

@@ -14,10 +14,15 @@ from vramplan.report.html import BatchCurve, CurvePoint, render_html
 from vramplan.result import Estimate
 
 
+def curve_sizes(batch: int) -> list[int]:
+    """The batch sizes of the HTML report's curve: half, once and twice ``batch``."""
+    return sorted({max(1, batch // 2), batch, 2 * batch})
+
+
 def batch_curve_for(estimate: Estimate, estimate_at) -> BatchCurve:
     """Estimates at half, once and twice the batch (``estimate_at(batch)`` traces one)."""
     batch = estimate.recipe.batch_size
-    sizes = sorted({max(1, batch // 2), batch, 2 * batch})
+    sizes = curve_sizes(batch)
     points = []
     for size in sizes:
         at = estimate if size == batch else estimate_at(size)

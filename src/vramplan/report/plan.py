@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from vramplan.distributed.needed import host_state_bytes
@@ -17,6 +18,22 @@ from vramplan.units import format_bytes
 if TYPE_CHECKING:
     from vramplan.plan.answer import PlanAnswer
     from vramplan.plan.search import SearchResult
+
+
+def trace_summary(traced: tuple[tuple[str, float], ...]) -> str:
+    """``7 traces in 41.2 s (slowest 9.8 s: hf:gpt2: FLOPs, batch 8, fp32, adamw)``.
+
+    >>> trace_summary((("a: batch 1", 1.25), ("a: batch 2", 2.5)))
+    '2 traces in 3.8 s (slowest 2.5 s: a: batch 2)'
+    >>> trace_summary(())
+    'no new traces (all reused)'
+    """
+    if not traced:
+        return "no new traces (all reused)"
+    label, slowest = max(traced, key=lambda record: record[1])
+    total = sum(seconds for _, seconds in traced)
+    count = f"{len(traced)} trace{'s' if len(traced) != 1 else ''}"
+    return f"{count} in {total:.1f} s (slowest {slowest:.1f} s: {label})"
 
 
 def render_max_batch(result: SearchResult, units: str) -> None:
@@ -41,8 +58,9 @@ def render_max_batch(result: SearchResult, units: str) -> None:
             f"{result.beyond.verdict.status.upper()}"
         )
     console.print(
-        f"[dim]{result.traces} traces (a doubling-and-bisection finder would run "
-        f"{result.bisection_traces} trials). Sizes in {units} units.[/dim]"
+        f"[dim]{escape(trace_summary(result.traced))}; a doubling-and-bisection finder would run "
+        f"{result.bisection_traces} trials. Sizes in {units} units.[/dim]",
+        highlight=False,
     )
 
 
@@ -77,7 +95,7 @@ def plan_rows(answer: PlanAnswer, units: str) -> list[list[str]]:
 def render_plan(answer: PlanAnswer, units: str) -> None:
     """Levers, the first plan, the GPUs table, host RAM, and the GPUs needed."""
     result, fleet, host = answer.levers, answer.fleet, answer.host
-    all_gpus, traces = answer.judged_every_gpu, answer.traces
+    all_gpus = answer.judged_every_gpu
     fmt = lambda n: format_bytes(n, units)  # noqa: E731
     console = Console()
     base = result.baseline
@@ -142,7 +160,10 @@ def render_plan(answer: PlanAnswer, units: str) -> None:
         )
     for note in result.notes:
         console.print(f"[dim]note: {note}[/dim]")
-    console.print(f"[dim]{traces} traces. Sizes in {units} units.[/dim]")
+    console.print(
+        f"[dim]{escape(trace_summary(answer.traced))}. Sizes in {units} units.[/dim]",
+        highlight=False,
+    )
     needed, needed_note = answer.needed, answer.needed_note
     if needed is not None:
         rank = format_bytes(needed.estimate.peak.device_total_bytes, units)
