@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from torch.utils.flop_counter import FlopCounterMode
-
 from vramplan.pipeline import trace_and_estimate
 from vramplan.plan.bench import Workbench
 from vramplan.recipe import Recipe
@@ -84,6 +82,10 @@ class _CountingPolicy(CudaPolicy):
     """The CUDA policy plus a FLOP counter over the whole traced run."""
 
     def __init__(self, arch: str) -> None:
+        # Imported here: torch.utils.flop_counter loads triton (about 80 MiB resident and
+        # 0.15 s), which only plan's recompute cost needs, not every estimate.
+        from torch.utils.flop_counter import FlopCounterMode
+
         super().__init__(arch)
         self.counter = FlopCounterMode(display=False)
 
