@@ -98,6 +98,9 @@ class TraceLog:
     def __len__(self) -> int:
         return len(self.records)
 
+    def seconds(self) -> tuple[float, ...]:
+        return tuple(seconds for _, seconds in self.records)
+
     def since(self, count: int) -> tuple[tuple[str, float], ...]:
         """The records after the first ``count``."""
         return tuple(self.records[count:])
