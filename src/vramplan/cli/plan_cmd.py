@@ -16,6 +16,7 @@ from vramplan.cli.options import (
     AllocConfOpt,
     BatchSize,
     CheckpointingOpt,
+    CudnnBenchmarkOpt,
     GpuMemoryOpt,
     GpuOpt,
     GradAccum,
@@ -28,8 +29,11 @@ from vramplan.cli.options import (
     OptimizerOpt,
     PlotOpt,
     PrecisionOpt,
+    ProfileOpt,
     SeqLen,
+    StackOpt,
     UnitsOpt,
+    UsedCounterOpt,
     recipe_from_options,
 )
 from vramplan.report.outputs import batch_curve_for, write_reports
@@ -64,6 +68,10 @@ def max_batch_command(
     mode: ModeOpt = "train",
     headroom: HeadroomOpt = 0.10,
     alloc_conf: AllocConfOpt = None,
+    cudnn_benchmark: CudnnBenchmarkOpt = False,
+    profile: ProfileOpt = None,
+    stack: StackOpt = None,
+    used_counter: UsedCounterOpt = "nvml-v1",
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
 ) -> int:
@@ -71,7 +79,15 @@ def max_batch_command(
     check_units(units)
     recipe = recipe_from_options(locals())
     session = vramplan.Session(
-        model, gpu=gpu, gpu_memory=gpu_memory, headroom=headroom, alloc_conf=alloc_conf
+        model,
+        gpu=gpu,
+        gpu_memory=gpu_memory,
+        headroom=headroom,
+        alloc_conf=alloc_conf,
+        cudnn_benchmark=cudnn_benchmark,
+        profile=profile,
+        stack=stack,
+        used_counter=used_counter,
     )
     result = session.max_batch(recipe, search=search)
     if json_output:
@@ -96,6 +112,10 @@ def plan_command(
     mode: ModeOpt = "train",
     headroom: HeadroomOpt = 0.10,
     alloc_conf: AllocConfOpt = None,
+    cudnn_benchmark: CudnnBenchmarkOpt = False,
+    profile: ProfileOpt = None,
+    stack: StackOpt = None,
+    used_counter: UsedCounterOpt = "nvml-v1",
     host_memory_limit: HostMemoryOpt = None,
     workers: WorkersOpt = 4,
     offload_optimizer: OffloadOpt = False,
@@ -109,7 +129,15 @@ def plan_command(
     check_units(units)
     recipe = recipe_from_options(locals())
     session = vramplan.Session(
-        model, gpu=gpu, gpu_memory=gpu_memory, headroom=headroom, alloc_conf=alloc_conf
+        model,
+        gpu=gpu,
+        gpu_memory=gpu_memory,
+        headroom=headroom,
+        alloc_conf=alloc_conf,
+        cudnn_benchmark=cudnn_benchmark,
+        profile=profile,
+        stack=stack,
+        used_counter=used_counter,
     )
     answer = session.plan(
         recipe,
