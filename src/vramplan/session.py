@@ -81,6 +81,7 @@ class Session:
         framework: str = "pytorch",
         example_batch: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        full_trace: bool = False,
     ) -> None:
         if target not in TARGETS:
             raise UserError(f"unknown target {target!r}; choose cuda or cpu")
@@ -102,6 +103,8 @@ class Session:
         )
         self._example_batch = example_batch
         self._loss_fn = loss_fn
+        self.full_trace = full_trace
+        """Trace every block instead of repeating a run of identical ones."""
         self._bench: Workbench | None = None
 
     # -- the questions -------------------------------------------------------------------
@@ -207,8 +210,11 @@ class Session:
 
     def _build(self, recipe: Recipe, device: str = "meta") -> BuiltModel:
         if isinstance(self.model, nn.Module):
-            return module_source(self.model, recipe, self.name, self._example_batch, self._loss_fn)
-        return resolve(self.model, recipe, device)
+            built = module_source(self.model, recipe, self.name, self._example_batch, self._loss_fn)
+        else:
+            built = resolve(self.model, recipe, device)
+        built.repeat_blocks = not self.full_trace
+        return built
 
     def _workbench(self, default_gpu: str | None = None) -> Workbench:
         """The trace cache on this session's card (or on ``default_gpu`` when none)."""

@@ -5,6 +5,10 @@ $ vramplan estimate torchvision:resnet50 --batch-size 64 --gpu a100
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import typer
+
 import vramplan
 from vramplan.cli.app import app
 from vramplan.cli.options import (
@@ -86,6 +90,14 @@ def estimate_command(
     microbatches: MicrobatchesOpt = 1,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
+    full_trace: Annotated[
+        bool,
+        typer.Option(
+            "--full-trace",
+            help="Trace every block instead of tracing a run of identical blocks once and "
+            "repeating it (the default for hf: models, where that rebuild is exact).",
+        ),
+    ] = False,
 ) -> int:
     """Trace one training (or inference) step with fake tensors and break down its peak."""
     check_units(units)
@@ -116,6 +128,7 @@ def estimate_command(
         used_counter=used_counter,
         target=target,
         framework=framework,
+        full_trace=full_trace,
     )
     result = session.estimate(recipe, layout=layout)
     curve = batch_curve_for(result, session.batch_curve_points(result, layout)) if html else None
