@@ -57,6 +57,12 @@ CONFIGS = {
 }
 
 
+@pytest.fixture(autouse=True)
+def _short_runs_repeat_too(monkeypatch):
+    """The tiny models here have 6 blocks; repetition's threshold is a speed policy."""
+    monkeypatch.setattr("vramplan.trace.repeat.MIN_BLOCKS", 5)
+
+
 def _both(tmp_path, kind: str, **knobs):
     path = tmp_path / f"{kind}.json"
     path.write_text(json.dumps(CONFIGS[kind]))

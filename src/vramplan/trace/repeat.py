@@ -38,8 +38,9 @@ from vramplan.sources.blocks import block_containers
 from vramplan.trace.events import Allocation, PhaseMark, Trace
 from vramplan.trace.modules import ModuleStack
 
-MIN_BLOCKS = 5
-"""Fewer repeated blocks than this are traced as they are (no gain)."""
+MIN_BLOCKS = 16
+"""Fewer repeated blocks than this are traced as they are: the 2-, 3- and 4-block traces
+that find and check the pattern cost as much as a full trace of a 12-block model."""
 SHORT = (2, 3)
 """The depths traced: the pattern is their difference."""
 DEFAULT_SOURCES = ("hf:",)
