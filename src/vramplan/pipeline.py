@@ -81,9 +81,7 @@ def trace_and_estimate(
     return result, trace
 
 
-def traced(
-    built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None
-) -> Trace:
+def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None) -> Trace:
     """The trace of ``built``: its repeated blocks traced once and repeated where that is
     exact (not under a distributed ``engine``, not with ``built.repeat_blocks`` off), else
     every block traced."""
