@@ -13,7 +13,14 @@ import vramplan
 
 PACKAGE = Path(vramplan.__file__).parent
 LOWER = ("vramplan.trace", "vramplan.sources", "vramplan.device", "vramplan.result")
-UPPER = ("vramplan.plan", "vramplan.cli", "vramplan.report", "vramplan.session", "vramplan.api")
+UPPER = (
+    "vramplan.plan",
+    "vramplan.cli",
+    "vramplan.report",
+    "vramplan.session",
+    "vramplan.api",
+    "vramplan.quick",
+)
 
 
 def _module_name(path: Path) -> str:
@@ -98,6 +105,36 @@ def test_lower_stages_never_import_upper_ones():
         if _under(name, LOWER)
         for child in children
         if _under(child, UPPER) or child == "vramplan"
+    )
+    assert bad == []
+
+
+STAGE_ORDER = (
+    # each stage may import those on its own line and the lines above it, never below
+    ("vramplan.errors", "vramplan.units", "vramplan.version", "vramplan.recipe", "vramplan.ops"),
+    ("vramplan.result", "vramplan.optimizers", "vramplan.sources", "vramplan.trace"),
+    ("vramplan.device",),
+    ("vramplan.pipeline", "vramplan.analytic"),
+    ("vramplan.distributed", "vramplan.measure"),
+    ("vramplan.plan",),
+)
+
+
+def _level(name: str) -> int | None:
+    for level, stages in enumerate(STAGE_ORDER):
+        if _under(name, stages):
+            return level
+    return None
+
+
+def test_each_stage_imports_only_its_own_level_and_below():
+    graph = _graph()
+    bad = sorted(
+        f"{name} imports {child}"
+        for name, children in graph.items()
+        if _level(name) is not None
+        for child in children
+        if _level(child) is not None and _level(child) > _level(name)
     )
     assert bad == []
 

@@ -159,7 +159,7 @@ def _measured_file(folder, stack, workspace, reserve):
         "gpu": "A100-40GB",
         "compute_capability": "8.0",
         "stack": {"torch": stack[0], "cuda": stack[1], "cudnn": "9.1.0", "driver": "550.54"},
-        "floor": {"cuda_context": 500 * MiB},
+        "floor": {"lazy": {"init": 500 * MiB}},
         "nvml": {
             "v1_used_idle": reserve,
             "v2_used_idle": 0,
@@ -256,3 +256,57 @@ def test_eager_module_loading_raises_the_floor():
     assert eager.runtime["cuda_context"] > lazy.runtime["cuda_context"]
     with pytest.raises(Exception, match="not like torch2.14-cu12.8"):
         device_options(stack="2.5")
+
+
+def test_what_the_harvest_writes_is_what_the_device_model_reads(tmp_path, monkeypatch):
+    """The GPU harvest's own assembler and writer, fed a harvest of one convolution with
+    benchmark on, produce a file the device model finds for that card and stack: the
+    search allocates the first call's workspace, later calls the cached plan's, and the
+    staged floor becomes the CUDA context and the kernel images."""
+    from benchmarks.gpu_harvest import assemble
+    from benchmarks.gpu_harvest.measured_format import write_measured
+
+    case = {
+        "pass": "forward", "dtype": "float32", "memory_format": "contiguous",
+        "input": list(X), "weight": list(W), "stride": [1, 1], "padding": [1, 1],
+        "dilation": [1, 1], "groups": 1, "benchmark": True, "reserved_growth_bytes": 0,
+        "oom": None,
+    }  # fmt: skip
+    harvest = {
+        "device": {"name": "NVIDIA A100-SXM4-40GB", "compute_capability": "8.0",
+                   "total_memory": 40960 * MiB},
+        "stack": {"torch": "2.5.1", "cuda": "12.4", "cudnn": "9.1.0", "driver": "550.54"},
+        "nvml_idle": {"v1_used": 430 * MiB, "v2_used": 6 * MiB,
+                      "driver_reserved_bytes": 424 * MiB, "v1_total": 40960 * MiB},
+        "floor": {"lazy": {"init": {"floor_bytes": 500 * MiB},
+                           "gemm": {"floor_bytes": 560 * MiB},
+                           "conv": {"floor_bytes": 900 * MiB}}},
+        "conv": {"records": [
+            {**case, "call": 1, "workspace_bytes": 40 * MiB, "cache_emptied": True},
+            {**case, "call": 2, "workspace_bytes": 5 * MiB, "cache_emptied": False},
+        ]},
+    }  # fmt: skip
+    write_measured(assemble.measured_from(harvest), tmp_path)
+    monkeypatch.setenv(MEASURED_DIR_ENV, str(tmp_path))
+    options = device_options(gpu="a100-40gb", stack="torch2.5-cu12.4")
+    assert options.measured is not None
+    trace = _conv_trace([("forward", ("forward",)), ("forward", ("forward",))])
+    added = _workspace_requests(
+        requests_of(device_trace(trace, A100, True, "central", options.measured)), trace
+    )
+    assert added == [
+        ("alloc", (40 * MiB,)),
+        ("free", 40 * MiB),
+        ("empty_cache", 0),
+        ("alloc", 5 * MiB),
+        ("free", 5 * MiB),
+        ("alloc", 5 * MiB),
+        ("free", 5 * MiB),
+    ]
+    from vramplan.device.runtime import driver_reserved_bytes, outside_allocator
+
+    outside = outside_allocator(
+        trace, A100, profile=None, stack=options.software, measured=options.measured
+    )
+    assert (outside.cuda_context, outside.cudnn_kernels) == (500 * MiB, 400 * MiB)
+    assert driver_reserved_bytes(A100, options.measured) == 424 * MiB

@@ -11,6 +11,7 @@ Session's job (``session.py``)::
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -25,6 +26,7 @@ from vramplan.sources import BuiltModel
 from vramplan.trace.events import Trace
 from vramplan.trace.materialize import unique_parameters
 from vramplan.trace.policy import DevicePolicy, policy_for
+from vramplan.trace.repeat import repeat_built
 from vramplan.trace.step import trace_step_function, trace_training
 from vramplan.trace.summary import summarize_trace
 
@@ -68,7 +70,7 @@ def trace_and_estimate(
     """``estimate_built`` that also returns the trace (to judge it on other cards)."""
     device = device or DeviceOptions()
     policy = policy or policy_for(target, device.card.arch)
-    trace = trace_training(built, recipe, policy, engine)
+    trace = traced(built, recipe, policy, engine)
     notes = list(trace.notes)
     if recipe.is_training and recipe.optimizer in MODELLED:
         notes.append(f"optimizer {recipe.optimizer}: {MODELLED[recipe.optimizer]}")
@@ -77,6 +79,20 @@ def trace_and_estimate(
     if policy.name == "cuda":
         result = apply_device(result, trace, device)
     return result, trace
+
+
+def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None) -> Trace:
+    """The trace of ``built``: its repeated blocks traced once and repeated where that is
+    exact (not under a distributed ``engine``, not with ``built.repeat_blocks`` off), else
+    every block traced."""
+    if engine is None and built.repeat_blocks:
+        trace, note = repeat_built(built, recipe, lambda b: trace_training(b, recipe, policy))
+        if trace is not None:
+            return replace(trace, notes=(*trace.notes, note))
+    else:
+        note = ""
+    trace = trace_training(built, recipe, policy, engine)
+    return replace(trace, notes=(*trace.notes, note)) if note else trace
 
 
 def estimate_user_step(

@@ -83,6 +83,7 @@ class Session:
         framework: str = "pytorch",
         example_batch: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        full_trace: bool = False,
         progress: Callable[[TraceEvent], None] | None = None,
     ) -> None:
         if target not in TARGETS:
@@ -105,6 +106,8 @@ class Session:
         )
         self._example_batch = example_batch
         self._loss_fn = loss_fn
+        self.full_trace = full_trace
+        """Trace every block instead of repeating a run of identical ones."""
         self._bench: Workbench | None = None
         self.log = TraceLog(progress)
         """Every trace this session ran, with its label and seconds."""
@@ -216,8 +219,11 @@ class Session:
 
     def _build(self, recipe: Recipe, device: str = "meta") -> BuiltModel:
         if isinstance(self.model, nn.Module):
-            return module_source(self.model, recipe, self.name, self._example_batch, self._loss_fn)
-        return resolve(self.model, recipe, device)
+            built = module_source(self.model, recipe, self.name, self._example_batch, self._loss_fn)
+        else:
+            built = resolve(self.model, recipe, device)
+        built.repeat_blocks = not self.full_trace
+        return built
 
     def _workbench(self, default_gpu: str | None = None) -> Workbench:
         """The trace cache on this session's card (or on ``default_gpu`` when none)."""

@@ -5,6 +5,10 @@ $ vramplan estimate torchvision:resnet50 --batch-size 64 --gpu a100
 
 from __future__ import annotations
 
+from typing import Annotated
+
+import typer
+
 import vramplan
 from vramplan.cli.app import app
 from vramplan.cli.options import (
@@ -88,6 +92,14 @@ def estimate_command(
     microbatches: MicrobatchesOpt = 1,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
+    full_trace: Annotated[
+        bool,
+        typer.Option(
+            "--full-trace",
+            help="Trace every block instead of tracing a run of identical blocks once and "
+            "repeating it (the default for hf: models, where that rebuild is exact).",
+        ),
+    ] = False,
     quiet: QuietOpt = False,
 ) -> int:
     """Trace one training (or inference) step with fake tensors and break down its peak."""
@@ -121,6 +133,7 @@ def estimate_command(
             used_counter=used_counter,
             target=target,
             framework=framework,
+            full_trace=full_trace,
             progress=progress,
         )
         result = session.estimate(recipe, layout=layout)

@@ -1,13 +1,16 @@
 """Measured device tables: what a GPU harvest found on one card and software stack.
 
-A file ``<gpu-slug>-<stack-slug>.json`` (schema ``vramplan.measured/1``) in
-``$VRAMPLAN_MEASURED_DIR`` or the bundled ``data/measured/`` replaces the modelled
-figures for that card and stack: the cuDNN workspace of each convolution configuration
-it lists, the process floor, and the driver-reserved framebuffer::
+A file (schema ``vramplan.measured/1``, written by ``python -m benchmarks.gpu_harvest``)
+in ``$VRAMPLAN_MEASURED_DIR`` or the bundled ``data/measured/`` replaces the modelled
+figures for its card (the name NVIDIA reports, resolved through the catalog) and stack
+(torch and CUDA, major.minor): the cuDNN workspace of each convolution configuration it
+lists, the process floor, and the driver-reserved framebuffer::
 
-    {"schema": "vramplan.measured/1", "gpu": "A100-40GB", "compute_capability": "8.0",
+    {"schema": "vramplan.measured/1", "gpu": "NVIDIA A100-SXM4-40GB",
+     "compute_capability": "8.0",
      "stack": {"torch": "2.5.1", "cuda": "12.4", "cudnn": "9.1.0", "driver": "550.54"},
-     "floor": {"cuda_context": ..., "cublas_kernels": ..., "cudnn_kernels": ...},
+     "floor": {"lazy": {"init": ..., "gemm": ..., "conv": ..., "gemm_conv": ...},
+               "eager": {...}},
      "nvml": {"v1_used_idle": ..., "v2_used_idle": ..., "driver_reserved_bytes": ...,
               "total_bytes": ...},
      "cublas": {...},
@@ -18,8 +21,10 @@ it lists, the process floor, and the driver-reserved framebuffer::
                           "workspace_bytes": ..., "reserved_growth_bytes": ...,
                           "cache_emptied": false}]}
 
-``floor`` stages are the bytes each stage adds outside the allocator (the CUDA context,
-then the kernels cuBLAS and cuDNN load); missing stages keep the model's figure.
+``floor`` holds, per module-loading mode, the process's memory outside the allocator after
+each harvest stage: ``init`` is the CUDA context, ``gemm`` − ``init`` the cuBLAS kernels,
+``conv`` − ``init`` the cuDNN kernels (``floor_terms``); a stage the harvest could not run
+keeps the model's figure.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from vramplan.device.catalog import lookup_gpu
 from vramplan.device.cudnn import ConvCase
 from vramplan.device.stack import stack_slug
 from vramplan.errors import UserError
@@ -53,14 +59,16 @@ class MeasuredTable:
     floor: dict[str, int] = field(default_factory=dict)
     nvml: dict[str, int] = field(default_factory=dict)
     cublas: dict = field(default_factory=dict)
-    workspaces: dict[tuple, int] = field(default_factory=dict)
+    workspaces: dict[tuple, tuple[int, int]] = field(default_factory=dict)
+    """Per configuration: the first call's workspace (with benchmark on, the search's
+    largest candidate) and the cached plan's, which every later call asks for."""
 
     @property
     def stack_slug(self) -> str:
         return stack_slug(self.stack.get("torch", "?"), self.stack.get("cuda", "?"))
 
-    def workspace(self, case: ConvCase, benchmark: bool) -> int | None:
-        """The measured workspace of a configuration, if the harvest ran it."""
+    def workspace(self, case: ConvCase, benchmark: bool) -> tuple[int, int] | None:
+        """(first call, cached calls) workspace of a configuration, if the harvest ran it."""
         return self.workspaces.get(_key(case, benchmark))
 
 
@@ -77,6 +85,23 @@ def _key(case: ConvCase, benchmark: bool) -> tuple:
         int(case.groups),
         bool(benchmark),
     )
+
+
+def floor_terms(stages: dict, lazy: bool = True) -> dict[str, int]:
+    """The runtime terms a harvest's staged floors give, for lazy or eager module loading.
+
+    >>> floor_terms({"lazy": {"init": 500, "gemm": 560, "conv": 800}})
+    {'cuda_context': 500, 'cublas_kernels': 60, 'cudnn_kernels': 300}
+    """
+    staged = stages.get("lazy" if lazy else "eager") or {}
+    init = staged.get("init")
+    if init is None:
+        return {}
+    terms = {"cuda_context": int(init)}
+    for term, stage in (("cublas_kernels", "gemm"), ("cudnn_kernels", "conv")):
+        if staged.get(stage) is not None:
+            terms[term] = max(0, int(staged[stage]) - int(init))
+    return terms
 
 
 def parse_table(data: dict, path: str = "<memory>") -> MeasuredTable:
@@ -97,12 +122,17 @@ def parse_table(data: dict, path: str = "<memory>") -> MeasuredTable:
                 tuple(row["dilation"]),
                 int(row["groups"]),
             )
-            workspaces[_key(case, bool(row.get("benchmark", False)))] = int(row["workspace_bytes"])
+            first = int(row["workspace_bytes"])
+            cached = row.get("cached_workspace_bytes")
+            workspaces[_key(case, bool(row.get("benchmark", False)))] = (
+                first,
+                first if cached is None else int(cached),
+            )
         return MeasuredTable(
             path=path,
             gpu=data["gpu"],
             stack=dict(data.get("stack", {})),
-            floor={k: int(v) for k, v in data.get("floor", {}).items()},
+            floor=dict(data.get("floor", {})),
             nvml={k: int(v) for k, v in data.get("nvml", {}).items() if v is not None},
             cublas=dict(data.get("cublas", {})),
             workspaces=workspaces,
@@ -119,18 +149,26 @@ def _folders() -> list[Path]:
     return folders
 
 
+def _same_card(reported: str, gpu: str) -> bool:
+    """Whether the name a harvest recorded is the catalog card ``gpu``."""
+    try:
+        return lookup_gpu(reported.replace("NVIDIA ", "")).name == gpu
+    except UserError:
+        return slug(reported) == slug(gpu)
+
+
 def measured_for(gpu: str, stack: str) -> MeasuredTable | None:
-    """The measured table of a card and stack (``$VRAMPLAN_MEASURED_DIR`` first, then the
-    bundled ones), or ``None``."""
-    name = f"{slug(gpu)}-{slug(stack)}.json"
+    """The measured table of a catalog card and a stack slug (``torch2.5-cu12.4``):
+    ``$VRAMPLAN_MEASURED_DIR`` first, then the bundled tables; ``None`` when none matches."""
     for folder in _folders():
-        path = folder / name
-        if path.is_file():
+        for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
             try:
                 data = json.loads(path.read_text())
             except json.JSONDecodeError as exc:
                 raise UserError(f"malformed measured table {path}: {exc}") from None
+            if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+                continue
             table = parse_table(data, str(path))
-            if slug(table.gpu) == slug(gpu) and table.stack_slug == slug(stack):
+            if table.stack_slug == slug(stack) and _same_card(table.gpu, gpu):
                 return table
     return None

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, replace
 from vramplan.device.allocator import AllocatorConfig, Request, replay
 from vramplan.device.catalog import GpuSpec
 from vramplan.device.cudnn import ConvCase, Workspace, cases_of, engine_workspace
-from vramplan.device.measured import measured_for
+from vramplan.device.measured import MeasuredTable, measured_for
 from vramplan.device.options import DeviceOptions
 from vramplan.device.runtime import (
     cublas_workspace_bytes,
@@ -44,14 +44,17 @@ class DeviceTrace:
     workspaces: dict[ConvCase, Workspace] = field(default_factory=dict)
 
 
-def conv_workspace(case: ConvCase, benchmark: bool, measured=None) -> Workspace:
+def conv_workspace(
+    case: ConvCase, benchmark: bool, measured: MeasuredTable | None = None
+) -> Workspace:
     """The workspace of one cuDNN call: the measured table's when it holds the
-    configuration, else the engine model's."""
-    model = engine_workspace(case)
-    size = measured.workspace(case, benchmark) if measured is not None else None
-    if size is None:
-        return model
-    return Workspace(size, size, size, (*model.candidates, size), "measured", measured=True)
+    configuration (the first call's size is the benchmark search's, the cached call's
+    what every later call asks for), else the engine model's."""
+    sizes = measured.workspace(case, benchmark) if measured is not None else None
+    if sizes is None:
+        return engine_workspace(case)
+    first, cached = sizes
+    return Workspace(cached, cached, cached, (first,), "measured", measured=True)
 
 
 def _first_index(trace: Trace, phase: Phase) -> int | None:
@@ -80,7 +83,7 @@ def device_trace(
     gpu: GpuSpec,
     cudnn_benchmark: bool,
     variant: str = "central",
-    measured=None,
+    measured: MeasuredTable | None = None,
 ) -> DeviceTrace:
     """The trace as the GPU sees it: cuBLAS/cuBLASLt workspaces created at the first matmul
     of forward and of backward (one handle per thread, kept), and around every cuDNN call

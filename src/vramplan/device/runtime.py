@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramplan.device.catalog import GpuSpec, catalog
+from vramplan.device.measured import MeasuredTable, floor_terms
 from vramplan.device.profile import DeviceProfile
 from vramplan.device.stack import Stack
 from vramplan.device.table import runtime_table
@@ -45,7 +46,7 @@ def cublaslt_workspace_bytes(gpu: GpuSpec) -> int:
 COUNTERS = ("nvml-v1", "nvml-v2")
 
 
-def driver_reserved_bytes(gpu: GpuSpec, measured=None) -> int:
+def driver_reserved_bytes(gpu: GpuSpec, measured: MeasuredTable | None = None) -> int:
     """The framebuffer the driver keeps for itself on ``gpu`` (measured when a harvest
     has it; 0 for AMD cards, whose tools report no such split, and for a card given by
     its size, ``--gpu-memory``, read as the memory the job can use)."""
@@ -90,7 +91,7 @@ def outside_allocator(
     profile: DeviceProfile | None = None,
     stack: Stack | None = None,
     variant: str = "central",
-    measured=None,
+    measured: MeasuredTable | None = None,
 ) -> OutsideAllocator:
     """The CUDA context (with the kernels the step loads) and NCCL buffers, under the
     ``low`` / ``central`` / ``high`` reading of what is not published. A calibrated
@@ -115,7 +116,7 @@ def outside_allocator(
     elif variant != "central" and gpu.vendor == "nvidia":
         low, high = context_table["range_bytes"]
         context = min(context, low) if variant == "low" else max(context, high)
-    floor = measured.floor if measured is not None else {}
+    floor = floor_terms(measured.floor, not eager) if measured is not None else {}
     return OutsideAllocator(
         cuda_context=floor.get("cuda_context", context),
         cublas_kernels=floor.get("cublas_kernels", cublas) if matmuls else 0,

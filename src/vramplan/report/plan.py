@@ -47,14 +47,14 @@ def render_max_batch(result: SearchResult, units: str) -> None:
         f"headroom: [bold]{result.value}[/bold]"
     )
     console.print(
-        f"  at {result.value}: device total {fmt(est.peak.device_total_bytes)} of "
-        f"{fmt(est.verdict.usable_bytes)} usable (allocated "
-        f"{fmt(est.peak.allocated_bytes)}, reserved {fmt(est.peak.reserved_bytes)}), "
-        f"{fmt(est.verdict.spare_bytes)} to spare"
+        f"  at {result.value}: the job's high end {fmt(est.verdict.compared_bytes)} of "
+        f"{fmt(est.verdict.usable_bytes)} usable, {fmt(est.verdict.spare_bytes)} to spare "
+        f"(central device total {fmt(est.peak.device_total_bytes)}, allocated "
+        f"{fmt(est.peak.allocated_bytes)}, reserved {fmt(est.peak.reserved_bytes)})"
     )
     if result.beyond is not None:
         console.print(
-            f"  at {result.value + 1}: {fmt(result.beyond.peak.device_total_bytes)} — "
+            f"  at {result.value + 1}: high end {fmt(result.beyond.verdict.compared_bytes)} — "
             f"{result.beyond.verdict.status.upper()}"
         )
     console.print(

@@ -38,6 +38,9 @@ class BuiltModel:
     """Recompute the first N blocks (all when N is None) in backward; returns the number
     of checkpointable blocks."""
     notes: list[str] = field(default_factory=list)
+    repeat_blocks: bool = True
+    """Trace a run of identical blocks once and repeat it (``trace/repeat.py``) where that
+    is exact; False traces every block (``--full-trace``)."""
 
 
 def classification_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,12 @@ def _repeated_block_containers(model: nn.Module) -> list[nn.Module]:
     return found
 
 
+def block_containers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The containers whose children repeat one class, with their qualified names."""
+    names = {id(m): name for name, m in model.named_modules()}
+    return [(names[id(c)], c) for c in _repeated_block_containers(model)]
+
+
 def _checkpointed(forward):
     @functools.wraps(forward)
     def run(*args, **kwargs):

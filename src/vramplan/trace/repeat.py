@@ -1,0 +1,550 @@
+"""Trace repeated blocks once: two short traces, the full depth rebuilt from their difference.
+
+Most of a transformer's trace is one block again and again. For a run of ``L`` structurally
+identical blocks (same class, parameter shapes and dtypes, settings) in one ``ModuleList``
+or ``nn.Sequential``, the model is traced with 2 and with 3 of them. The 3-block trace is
+the 2-block one with one block's events inserted in each stretch where the blocks run
+(forward, backward, each per-parameter list of the optimizer step, ...): those inserted
+runs are the pattern of a middle block. The full trace repeats each run ``L - 2`` times,
+and every storage a middle block allocates is freed where the same storage of the traced
+middle block was freed, shifted by the same number of blocks (activations of block ``i``
+die in the backward of block ``i``, a block's output in the next block, its gradients in
+``zero_grad``).
+
+It is exact or it is not used: the rebuilt stream must account for every event exactly
+once, and the same rules must rebuild the 2-block trace event for event; otherwise
+``expand`` raises ``NotRepeatable`` and the caller traces the whole model::
+
+    run = find_run(model)               # BlockRun('model.layers', 0, 32)
+    t2 = trace(truncated(model, run, 2)); t3 = trace(truncated(model, run, 3))
+    full = expand(t2, t3, run, run.length)
+"""
+
+from __future__ import annotations
+
+import copy
+import difflib
+import re
+from collections import OrderedDict, defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from vramplan.recipe import Recipe
+from vramplan.sources.base import BuiltModel
+from vramplan.sources.blocks import block_containers
+from vramplan.trace.events import Allocation, PhaseMark, Trace
+from vramplan.trace.modules import ModuleStack
+
+MIN_BLOCKS = 16
+"""Fewer repeated blocks than this are traced as they are: the 2-, 3- and 4-block traces
+that find and check the pattern cost as much as a full trace of a 12-block model."""
+SHORT = (2, 3)
+"""The depths traced: the pattern is their difference."""
+DEFAULT_SOURCES = ("hf:",)
+"""Models repeated by default: those whose exactness the tests prove (GPT-2, BERT, ViT,
+Llama); any other model is traced whole."""
+CHECK = 4
+"""The depth also traced to check the pattern: rebuilt from ``SHORT`` it must match."""
+_INDEX_WORDS = ("idx", "index", "layer_id", "layer_number", "layer_num")
+_PLAIN = (int, float, str, bool, type(None))
+
+
+class NotRepeatable(Exception):  # noqa: N818 - a reason, not an error to the user
+    """The short traces do not repeat exactly; the message says where."""
+
+
+@dataclass(frozen=True)
+class BlockRun:
+    """Blocks ``start .. end - 1`` of the container at ``path`` are identical."""
+
+    path: str
+    start: int
+    end: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+# -- finding and cutting the run -----------------------------------------------------------
+
+
+def _settings(module: nn.Module) -> tuple:
+    """A module's plain settings (not its position in the stack)."""
+    items = []
+    for key, value in sorted(vars(module).items()):
+        if key.startswith("_") or any(word in key.lower() for word in _INDEX_WORDS):
+            continue
+        if isinstance(value, _PLAIN) or (
+            isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value)
+        ):
+            items.append((key, value))
+    return tuple(items)
+
+
+def signature(block: nn.Module) -> tuple:
+    """What makes two blocks trace alike: classes, settings, parameter and buffer shapes,
+    dtypes and trainability, hooks and forward overrides."""
+    modules = tuple(
+        (name, type(m).__qualname__, m.extra_repr(), _settings(m), "forward" in vars(m))
+        for name, m in block.named_modules()
+    )
+    params = tuple(
+        (n, tuple(p.shape), str(p.dtype), p.requires_grad) for n, p in block.named_parameters()
+    )
+    buffers = tuple((n, tuple(b.shape), str(b.dtype)) for n, b in block.named_buffers())
+    hooks = tuple(
+        (len(m._forward_hooks), len(m._forward_pre_hooks), len(m._backward_hooks))
+        for m in block.modules()
+    )
+    return modules, params, buffers, hooks
+
+
+def find_run(model: nn.Module, containers: list[tuple[str, nn.Module]]) -> BlockRun | None:
+    """The longest run of identical consecutive blocks among ``containers`` (qualified
+    name, container) — at least ``MIN_BLOCKS`` long — or None."""
+    best = None
+    for path, container in containers:
+        children = list(container.children())
+        if len(children) != len(container._modules):
+            continue
+        signatures = [signature(child) for child in children]
+        start = 0
+        for end in range(1, len(children) + 1):
+            if end == len(children) or signatures[end] != signatures[start]:
+                if end - start >= MIN_BLOCKS and (best is None or end - start > best.length):
+                    best = BlockRun(path, start, end)
+                start = end
+    return best
+
+
+def truncated(model: nn.Module, run: BlockRun, blocks: int) -> nn.Module:
+    """A copy of the (meta) ``model`` with only ``blocks`` of the run; an HF config's
+    layer count (and per-layer lists) follow."""
+    container = model.get_submodule(run.path)
+    saved = container._modules
+    items = list(saved.values())
+    kept = items[: run.start + blocks] + items[run.end :]
+    container._modules = OrderedDict((str(i), m) for i, m in enumerate(kept))
+    try:
+        short = copy.deepcopy(model)
+    finally:
+        container._modules = saved
+    config = getattr(short, "config", None)
+    total = len(items)
+    if config is not None:
+        for key in ("num_hidden_layers", "n_layer", "num_layers"):
+            if getattr(config, key, None) == total:
+                setattr(config, key, len(kept))
+        types = getattr(config, "layer_types", None)
+        if isinstance(types, list) and len(types) == total:
+            config.layer_types = types[: run.start + blocks] + types[run.end :]
+    return short
+
+
+# -- the expansion ---------------------------------------------------------------------------
+
+
+class _Names:
+    """Module names: ``path.i`` of a short trace, normalised (for matching) or renamed
+    (for the full depth)."""
+
+    def __init__(self, run: BlockRun, blocks: int, full: int) -> None:
+        self.run, self.blocks, self.full = run, blocks, full
+        self.pattern = re.compile(rf"^{re.escape(run.path)}\.(\d+)(?=\.|$)")
+
+    def index(self, module: str) -> int | None:
+        match = self.pattern.match(module)
+        return int(match.group(1)) if match else None
+
+    def normal(self, module: str) -> str:
+        i = self.index(module)
+        if i is None or i < self.run.start:
+            return module
+        if i < self.run.start + self.blocks:
+            return self.pattern.sub(f"{self.run.path}.#", module)
+        return self.pattern.sub(f"{self.run.path}.+{i - self.run.start - self.blocks}", module)
+
+    def renamed(self, module: str, shift: int | None) -> str:
+        """``module`` of the 3-block trace as named at full depth; ``shift`` moves a block
+        of the run (None: a module outside the run's middle)."""
+        i = self.index(module)
+        if i is None or i < self.run.start:
+            return module
+        if i >= self.run.start + self.blocks:
+            new = i + self.full - self.blocks
+        elif shift is not None:
+            new = i + shift
+        elif i == self.run.start:
+            new = i
+        elif i == self.run.start + self.blocks - 1:
+            new = self.run.start + self.full - 1
+        else:
+            raise NotRepeatable(f"{module} is used outside its block")
+        return self.pattern.sub(f"{self.run.path}.{new}", module)
+
+
+def _slots(trace: Trace) -> list[tuple[Allocation, bool] | None]:
+    """Every event index of ``trace``: (allocation, is_alloc), or None for a gap."""
+    slots: list[tuple[Allocation, bool] | None] = [None] * trace.event_count
+    for a in trace.allocations:
+        slots[a.alloc_index] = (a, True)
+        if a.free_index is not None:
+            slots[a.free_index] = (a, False)
+    return slots
+
+
+def _kind(a: Allocation, names: _Names) -> tuple:
+    return (a.nbytes, a.category, a.phase, a.iteration, a.op, a.stream, names.normal(a.module))
+
+
+def _tokens(slots, names: _Names) -> list[tuple]:
+    return [() if s is None else (s[1], *_kind(s[0], names)) for s in slots]
+
+
+@dataclass
+class _Region:
+    """One inserted run ``[q, q + d)`` of the 3-block trace, its orientation (+1: blocks
+    in forward order, -1: reversed, as in backward)."""
+
+    q: int
+    d: int
+    sign: int = 1
+
+    def window(self, pos: int) -> tuple[str, int] | None:
+        """Which window holds ``pos``: the run itself ('x'), the period before ('-') or
+        after ('+'), and the offset in it."""
+        for name, lo in (("-", self.q - self.d), ("x", self.q), ("+", self.q + self.d)):
+            if lo <= pos < lo + self.d:
+                return name, pos - lo
+        return None
+
+    def short_block(self, window: str) -> int:
+        """The window's block number in the 3-block trace (0, 1 or 2)."""
+        if window == "x":
+            return 1
+        return 0 if (window == "-") == (self.sign > 0) else 2
+
+
+def _regions(tok2: list[tuple], tok3: list[tuple]) -> list[_Region]:
+    """The inserted runs, each moved (where the tokens allow) so that the period before and
+    after it repeat it."""
+    matcher = difflib.SequenceMatcher(None, tok2, tok3, autojunk=False)
+    regions = []
+    for tag, _i1, _i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        if tag != "insert":
+            raise NotRepeatable(f"the 3-block trace differs from the 2-block one at {j1}")
+        kinds = [bool(t) and t[0] for t in tok3[j1:j2]]
+        turn = kinds.index(False) if False in kinds else len(kinds)
+        if 0 < turn < len(kinds) and not any(kinds[turn:]):
+            # a list allocated then freed in reverse (foreach): two stretches, not one
+            regions += [_Region(j1, turn), _Region(j1 + turn, j2 - j1 - turn)]
+        else:
+            regions.append(_Region(j1, j2 - j1))
+    for region in regions:
+        # The run may sit anywhere in the stretch where the tokens repeat with its period:
+        # put it in the middle, one period from either end (the first and last blocks differ
+        # from a middle one at their boundaries).
+        q, d = region.q, region.d
+        low = q
+        while low - 1 >= 0 and tok3[low - 1] == tok3[low - 1 + d]:
+            low -= 1
+        high = q
+        while high + 2 * d < len(tok3) and tok3[high] == tok3[high + d]:
+            high += 1
+        region.q = (low + high) // 2
+    return regions
+
+
+def _label(regions: list[_Region], size: int) -> list[tuple[int, str, int] | None]:
+    labels: list[tuple[int, str, int] | None] = [None] * size
+    for j, region in enumerate(regions):
+        for pos in range(region.q - region.d, region.q + 2 * region.d):
+            window = region.window(pos)
+            if labels[pos] is not None:
+                if window[0] == "x" or labels[pos][1] == "x":
+                    raise NotRepeatable("repeated stretches overlap")
+                labels[pos] = None if labels[pos][0] != j else labels[pos]
+                continue
+            labels[pos] = (j, *window)
+    return labels
+
+
+def _orient(regions: list[_Region], slots3, labels) -> None:
+    """Blocks run forward in some stretches and backward in others: find each stretch's
+    direction from the storages that cross between stretches (the same allocation slot in
+    the three windows must die the same number of blocks later)."""
+    groups: dict[tuple[int, int, int], list[tuple[str, str]]] = defaultdict(list)
+    for s in slots3:
+        if s is None or not s[1] or s[0].free_index is None:
+            continue
+        a = s[0]
+        la, lf = labels[a.alloc_index], labels[a.free_index]
+        if la is None or lf is None or la[0] == lf[0]:
+            continue
+        groups[(la[0], la[2], lf[0])].append((la[1], lf[1]))
+    votes: dict[tuple[int, int], list[int]] = defaultdict(lambda: [0, 0])
+    for (ja, _, jf), pairs in groups.items():
+        if len(pairs) < 2:
+            continue
+        for k, relative in enumerate((1, -1)):
+            probe_a, probe_f = _Region(0, 0, 1), _Region(0, 0, relative)
+            deltas = {probe_f.short_block(wf) - probe_a.short_block(wa) for wa, wf in pairs}
+            if len(deltas) == 1:
+                votes[(ja, jf)][k] += 1
+    known: dict[int, int] = {}
+    for seed in range(len(regions)):  # each connected set of stretches, from its first
+        if seed in known:
+            continue
+        known[seed] = 1
+        frontier = [seed]
+        while frontier:
+            j = frontier.pop()
+            for (ja, jf), (same, opposite) in votes.items():
+                if same == opposite or j not in (ja, jf):
+                    continue
+                other = jf if ja == j else ja
+                if other not in known:
+                    known[other] = known[j] * (1 if same > opposite else -1)
+                    frontier.append(other)
+    for j, region in enumerate(regions):
+        region.sign = known.get(j, 1)
+
+
+def expand(t2: Trace, t3: Trace, run: BlockRun, full: int) -> Trace:
+    """The trace of the model with ``full`` blocks in the run, from its 2- and 3-block
+    traces; raises ``NotRepeatable`` unless the rebuild is exact."""
+    names = _Names(run, 3, full)
+    slots2, slots3 = _slots(t2), _slots(t3)
+    tok2, tok3 = _tokens(slots2, _Names(run, 2, full)), _tokens(slots3, names)
+    regions = _regions(tok2, tok3)
+    if sum(r.d for r in regions) != len(tok3) - len(tok2):
+        raise NotRepeatable("the extra block is not one insertion per stretch")
+    regions.sort(key=lambda r: r.q)
+    labels = _label(regions, len(tok3))
+    _orient(regions, slots3, labels)
+    check = _rebuild(t3, slots3, tok3, labels, regions, names, 2, _Names(run, 3, 2))
+    if _tokens(_slots(check), _Names(run, 2, 2)) != tok2 or _links(check) != _links(t2):
+        raise NotRepeatable("the pattern does not rebuild the 2-block trace")
+    return _rebuild(t3, slots3, tok3, labels, regions, names, full, names)
+
+
+def same_events(a: Trace, b: Trace) -> bool:
+    """The same storages born and freed at the same events, in the same phases."""
+
+    def rows(t: Trace) -> list[tuple]:
+        return sorted(
+            (x.alloc_index, x.free_index, x.nbytes, x.category, x.phase, x.iteration, x.op)
+            + (x.module, x.stream)
+            for x in t.allocations
+        )
+
+    return (
+        a.event_count == b.event_count
+        and rows(a) == rows(b)
+        and a.phases == b.phases
+        and a.markers == b.markers
+    )
+
+
+def _links(trace: Trace) -> list[tuple[int, int | None]]:
+    return sorted((a.alloc_index, a.free_index) for a in trace.allocations)
+
+
+def _rebuild(t3, slots3, tok3, labels, regions, names, full, renamer) -> Trace:  # noqa: C901
+    """The events of the run at depth ``full`` (>= 2): each region's run repeated
+    ``full - 2`` times, every storage freed the same number of blocks later as in the
+    3-block trace."""
+    extra = full - 3
+    ends = sorted((r.q + r.d, r.d) for r in regions)
+    starts = {id(r): None for r in regions}
+
+    def place(pos: int) -> int:
+        """Where a 3-block event lands (the inserted run as copy 0)."""
+        return pos + extra * sum(d for end, d in ends if end <= pos) if extra >= 0 else None
+
+    if extra >= 0:
+        for r in regions:
+            starts[id(r)] = place(r.q)
+    size = len(tok3) + extra * sum(r.d for r in regions)
+
+    def block_of(region: _Region, window: str) -> int:
+        b3 = region.short_block(window)
+        return {0: 0, 1: None, 2: full - 1}[b3]
+
+    def slot(j: int, block: int, off: int) -> int:
+        region = regions[j]
+        if not 0 <= block < full:
+            raise NotRepeatable("a storage outlives the blocks around it")
+        first, last = (0, full - 1) if region.sign > 0 else (full - 1, 0)
+        if block == first:
+            return position(region.q - region.d + off)
+        if block == last:
+            return position(region.q + region.d + off)
+        copy_ = block - 1 if region.sign > 0 else full - 2 - block
+        return starts[id(region)] + copy_ * region.d + off
+
+    def position(pos: int) -> int:
+        if extra >= 0:
+            return place(pos)
+        # depth 2: the inserted runs removed
+        if labels[pos] is not None and labels[pos][1] == "x":
+            raise NotRepeatable("an event of the middle block is needed at depth 2")
+        return pos - sum(r.d for r in regions if r.q + r.d <= pos)
+
+    source: list[int | None] = [None] * size
+    for pos in range(len(tok3)):
+        label = labels[pos]
+        if label is not None and label[1] == "x":
+            if extra < 0:
+                continue
+            region = regions[label[0]]
+            for c in range(full - 2):
+                source[starts[id(region)] + c * region.d + label[2]] = pos
+        else:
+            source[position(pos)] = pos
+
+    def target(la, lf, block: int) -> int:
+        """The event where a storage born in ``block`` (window ``la``) dies (window ``lf``)."""
+        ra, rf = regions[la[0]], regions[lf[0]]
+        ba, bf = ra.short_block(la[1]), rf.short_block(lf[1])
+        if ba != 1 and bf != 1:
+            return slot(lf[0], 0 if bf == 0 else full - 1, lf[2])
+        return slot(lf[0], block + bf - ba, lf[2])
+
+    allocations: list[Allocation] = []
+    claimed: dict[int, Allocation] = {}
+    next_id = 0
+    for s in slots3:
+        if s is None or not s[1]:
+            continue
+        a = s[0]
+        la = labels[a.alloc_index]
+        lf = labels[a.free_index] if a.free_index is not None else None
+        births: list[tuple[int, int, int | None]] = []  # (block, alloc slot, shift)
+        if la is None:
+            births.append((-1, position(a.alloc_index), None))
+        elif la[1] == "x":
+            births += [(b, slot(la[0], b, la[2]), b - 1) for b in range(1, full - 1)]
+        else:
+            b = block_of(regions[la[0]], la[1])
+            births.append((b, position(a.alloc_index), b - regions[la[0]].short_block(la[1])))
+        for block, born, shift in births:
+            if a.free_index is None:
+                died = None
+            elif lf is None:
+                if la is not None and la[1] == "x" and full != 3:
+                    raise NotRepeatable(f"a middle block's {a.op} dies outside the blocks")
+                died = position(a.free_index)
+            elif la is None:
+                if lf[1] == "x" and full != 3:
+                    raise NotRepeatable(f"{a.op} from outside the blocks dies in a middle one")
+                died = slot(lf[0], block_of(regions[lf[0]], lf[1]), lf[2])
+            else:
+                died = target(la, lf, block)
+            if died is not None:
+                if died in claimed or died <= born:
+                    raise NotRepeatable(f"{a.op}'s storage dies twice or before it is born")
+                src = source[died]
+                freed = slots3[src] if src is not None else None
+                if freed is None or freed[1] or _kind(freed[0], names) != _kind(a, names):
+                    raise NotRepeatable(f"{a.op}'s storage dies where another one did")
+            module = renamer.renamed(a.module, shift)
+            new = replace(a, id=next_id, alloc_index=born, free_index=died, module=module)
+            if died is not None:
+                claimed[died] = new
+            next_id += 1
+            allocations.append(new)
+    frees = sum(1 for s in source if s is not None and slots3[s] is not None and not slots3[s][1])
+    if len(claimed) != frees or len({a.alloc_index for a in allocations}) != len(allocations):
+        raise NotRepeatable("the rebuilt events do not add up")
+    return _finish(t3, allocations, size, regions, labels, position, full)
+
+
+def _finish(t3: Trace, allocations, size, regions, labels, position, full) -> Trace:
+    """Phase marks, op counts and library markers at the new depth."""
+    for mark in t3.phases:
+        label = labels[mark.index] if mark.index < len(labels) else None
+        if label is not None and label[1] == "x":
+            raise NotRepeatable("a phase changes inside a block")
+    phases = tuple(
+        PhaseMark(position(m.index) if m.index < len(labels) else size, m.phase, m.iteration)
+        for m in t3.phases
+    )
+    markers = []
+    for marker in t3.markers:
+        label = labels[marker.index] if 0 <= marker.index < len(labels) else None
+        if label is not None and label[1] == "x":
+            raise NotRepeatable("library calls inside the blocks are not repeated yet")
+        if marker.index >= 0:
+            marker = replace(marker, index=position(marker.index))
+        markers.append(marker)
+    allocations.sort(key=lambda a: a.alloc_index)
+    renumbered = [replace(a, id=i) for i, a in enumerate(allocations)]
+    return replace(
+        t3,
+        allocations=tuple(renumbered),
+        phases=phases,
+        event_count=size,
+        markers=tuple(markers),
+    )
+
+
+def scaled_counts(c2: dict, c3: dict, full: int) -> dict:
+    """Op counts at depth ``full``: linear in the number of blocks."""
+    keys = set(c2) | set(c3)
+    counts = {k: c3.get(k, 0) + (full - 3) * (c3.get(k, 0) - c2.get(k, 0)) for k in keys}
+    return {k: v for k, v in counts.items() if v}
+
+
+def repeat_built(
+    built: BuiltModel, recipe: Recipe, trace_model: Callable[[BuiltModel], Trace]
+) -> tuple[Trace | None, str]:
+    """The full trace of ``built`` from two short ones, and a note; ``(None, reason)`` when
+    the model has no run to repeat (reason empty) or the rebuild is not exact."""
+    model = built.model
+    if not built.name.startswith(DEFAULT_SOURCES):
+        return None, ""
+    run = find_run(model, block_containers(model))
+    if run is None:
+        return None, ""
+    label = f"{run.length} {run.path} blocks"
+    limit = recipe.checkpoint_blocks
+    partial = limit is not None and run.start < limit < run.end
+    if recipe.is_training and recipe.checkpointing != "none" and partial:
+        return None, f"full trace: {label} mix checkpointed and plain ones"
+    stack = ModuleStack()
+    stack.name_modules(model)
+
+    def short(blocks: int) -> Trace:
+        cut = truncated(model, run, blocks)
+        return trace_model(replace(built, model=cut, notes=list(built.notes)))
+
+    try:
+        t2, t3 = short(SHORT[0]), short(SHORT[1])
+        rebuilt = expand(t2, t3, run, CHECK)
+        if not same_events(rebuilt, short(CHECK)):
+            raise NotRepeatable(f"the pattern does not rebuild the {CHECK}-block trace")
+        full = expand(t2, t3, run, run.length)
+    except NotRepeatable as exc:
+        return None, f"full trace: {label} do not repeat exactly ({exc})"
+    except Exception as exc:  # a model that cannot be cut: trace it whole
+        return None, f"full trace: {label} cannot be traced cut short ({type(exc).__name__})"
+    dtype = getattr(torch, recipe.param_dtype_name)
+    if dtype != torch.float32:
+        model.to(dtype)  # as the traced copies were
+    trace = replace(
+        full,
+        op_counts=scaled_counts(t2.op_counts, t3.op_counts, run.length),
+        module_kinds=dict(stack.kinds),
+    )
+    note = (
+        f"repeated blocks: traced {SHORT[0]} and {SHORT[1]} of the {label} and repeated the "
+        f"block's events (rebuilds the {CHECK}-block trace exactly; --full-trace traces all)"
+    )
+    return trace, note

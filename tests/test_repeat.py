@@ -1,0 +1,135 @@
+"""Repeated blocks traced once: the rebuilt trace equals the full trace, event for event."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vramplan.device.options import device_options
+from vramplan.pipeline import trace_and_estimate
+from vramplan.recipe import Recipe
+from vramplan.sources import resolve
+from vramplan.trace.repeat import same_events
+
+CONFIGS = {
+    "gpt2": {
+        "model_type": "gpt2",
+        "architectures": ["GPT2LMHeadModel"],
+        "vocab_size": 512,
+        "n_positions": 64,
+        "n_embd": 64,
+        "n_layer": 6,
+        "n_head": 2,
+    },
+    "bert": {
+        "model_type": "bert",
+        "architectures": ["BertForMaskedLM"],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 2,
+        "intermediate_size": 128,
+        "max_position_embeddings": 64,
+    },
+    "vit": {
+        "model_type": "vit",
+        "architectures": ["ViTForImageClassification"],
+        "hidden_size": 64,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 2,
+        "intermediate_size": 128,
+        "image_size": 32,
+        "patch_size": 8,
+        "num_labels": 10,
+    },
+    "llama": {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+    },
+}
+
+
+@pytest.fixture(autouse=True)
+def _short_runs_repeat_too(monkeypatch):
+    """The tiny models here have 6 blocks; repetition's threshold is a speed policy."""
+    monkeypatch.setattr("vramplan.trace.repeat.MIN_BLOCKS", 5)
+
+
+def _both(tmp_path, kind: str, **knobs):
+    path = tmp_path / f"{kind}.json"
+    path.write_text(json.dumps(CONFIGS[kind]))
+    recipe = Recipe(batch_size=2, seq_len=None if kind == "vit" else 32, **knobs)
+    device = device_options(gpu="a100-80gb")
+    results = []
+    for repeat in (False, True):
+        built = resolve(f"hf:{path}", recipe)
+        built.repeat_blocks = repeat
+        results.append(trace_and_estimate(built, recipe, "cuda", device))
+    return results
+
+
+def _assert_equal(full, repeated) -> None:
+    (f, tf), (r, tr) = full, repeated
+    assert r.peak.allocated_bytes == f.peak.allocated_bytes
+    assert r.components == f.components
+    assert abs(r.peak.reserved_bytes - f.peak.reserved_bytes) <= 0.005 * f.peak.reserved_bytes
+    assert r.phase_peaks == f.phase_peaks
+    assert same_events(tr, tf)
+    assert tr.op_counts == tf.op_counts and tr.module_kinds == tf.module_kinds
+    assert r.model == f.model
+
+
+@pytest.mark.parametrize(
+    ("kind", "knobs"),
+    [
+        ("gpt2", {}),
+        ("bert", {}),
+        ("vit", {}),
+        ("llama", {}),
+        ("llama", {"precision": "bf16"}),
+        ("llama", {"checkpointing": "full"}),
+        ("llama", {"checkpointing": "full", "precision": "amp-bf16"}),
+        ("llama", {"optimizer": "adam", "grad_accum": 4}),
+    ],
+)
+def test_repeated_blocks_equal_the_full_trace(tmp_path, kind, knobs):
+    full, repeated = _both(tmp_path, kind, **knobs)
+    assert any(n.startswith("repeated blocks: traced 2 and 3 of the 6") for n in repeated[0].notes)
+    _assert_equal(full, repeated)
+
+
+@pytest.mark.parametrize(
+    "knobs",
+    [
+        {"precision": "amp-bf16"},  # stretches too close to tell apart (autocast casts)
+        {"optimizer": "sgd", "precision": "amp-bf16"},
+        {"mode": "infer"},
+        {"checkpointing": "full", "precision": "bf16"},
+        {"checkpointing": "2"},  # checkpointed and plain blocks mixed
+    ],
+)
+def test_falls_back_to_the_full_trace_and_says_so(tmp_path, knobs):
+    full, repeated = _both(tmp_path, "llama", **knobs)
+    assert any(n.startswith("full trace: 6 model.layers blocks") for n in repeated[0].notes)
+    _assert_equal(full, repeated)
+
+
+def test_full_trace_flag(run_cli, tmp_path):
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(CONFIGS["llama"]))
+    out = {}
+    for flags in ((), ("--full-trace",)):
+        code, text, _ = run_cli("estimate", f"hf:{path}", "--seq-len", "32", "--json", *flags)
+        assert code == 0
+        out[flags] = json.loads(text)
+    assert out[()]["peak"] == out[("--full-trace",)]["peak"]
+    assert any("repeated blocks" in n for n in out[()]["notes"])
+    assert not any("repeated blocks" in n for n in out[("--full-trace",)]["notes"])
