@@ -296,3 +296,53 @@ def rank_sum(rank: int) -> int:
 def test_recipe_json_has_no_finetune_keys_unless_asked():
     assert "lora_rank" not in Recipe().to_json()
     assert Recipe(lora_rank=8).to_json()["lora_rank"] == 8
+
+
+# -- the planner ---------------------------------------------------------------------------
+
+MID_LLAMA = {
+    **TINY_LLAMA,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+}
+
+
+@pytest.mark.slow
+def test_plan_offers_lora_and_qlora_when_full_training_does_not_fit(tmp_path, run_cli):
+    """A 340M-parameter llama on a 3 GiB card: full fine-tuning levers all OOM; LoRA and
+    QLoRA are offered, QLoRA below LoRA below the baseline, and the plan's flags run."""
+    import vramplan
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(MID_LLAMA))
+    answer = vramplan.plan(f"hf:{path}", gpu_memory="3GiB", batch_size=1, seq_len=128)
+    levers = {lever.name: lever for lever in answer.levers.levers}
+    lora, qlora = levers["LoRA"], levers["QLoRA"]
+    assert lora.flags == "--lora 16 --lora-targets all-linear"
+    assert qlora.flags == "--quantize nf4 --double-quant --lora 16 --lora-targets all-linear"
+    per_layer = sum(16 * (o + i) for o, i in [(2048, 2048), (512, 2048), (512, 2048),
+                    (2048, 2048), (5632, 2048), (5632, 2048), (2048, 5632)])  # fmt: skip
+    assert lora.cost["trainable_parameters"] == qlora.cost["trainable_parameters"] == 4 * per_layer
+    baseline = answer.levers.baseline.peak.device_total_bytes
+    assert qlora.estimate.peak.device_total_bytes < lora.estimate.peak.device_total_bytes
+    assert lora.estimate.peak.device_total_bytes < baseline
+    plan = answer.levers.plan
+    assert plan is not None and plan.status == "fits" and "--lora" in plan.flags
+    code, out, err = run_cli(
+        "estimate", f"hf:{path}", "--gpu-memory", "3GiB", "--batch-size", "1", "--seq-len",
+        "128", *plan.flags.split(),
+    )  # fmt: skip
+    assert code == 0, err
+    assert "FITS" in out
+
+
+def test_plan_offers_no_finetune_lever_when_the_baseline_fits(llama):
+    import vramplan
+
+    answer = vramplan.plan(llama, gpu="a100", batch_size=2, seq_len=16)
+    assert answer.levers.baseline.verdict.status == "fits"
+    assert not {"LoRA", "QLoRA"} & {lever.name for lever in answer.levers.levers}
