@@ -15,6 +15,7 @@ trainable parameters reach the optimizer), so the traced step shows exactly that
 
 from __future__ import annotations
 
+import logging
 import warnings
 from fnmatch import fnmatchcase
 
@@ -65,7 +66,22 @@ def _output_head(model: nn.Module) -> set[int]:
     return skip
 
 
+def _quiet_bitsandbytes_import() -> None:
+    """peft imports bitsandbytes when it is installed; on a CPU machine bitsandbytes logs a
+    warning about its optional CPU kernels at import, which is not the user's concern."""
+    logger = logging.getLogger("bitsandbytes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:  # absent or unusable here: peft then does without it
+        pass
+    finally:
+        logger.setLevel(level)
+
+
 def _peft():
+    _quiet_bitsandbytes_import()
     try:
         import peft
     except ImportError:
