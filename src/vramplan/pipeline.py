@@ -23,6 +23,7 @@ from vramplan.optimizers import MODELLED
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Estimate, ModelInfo
 from vramplan.sources import BuiltModel
+from vramplan.sources.quantized import packed_numel_missing
 from vramplan.trace.events import Trace
 from vramplan.trace.materialize import unique_parameters
 from vramplan.trace.policy import DevicePolicy, policy_for
@@ -39,7 +40,7 @@ def model_info(model: nn.Module, name: str, architecture: str, kind: str) -> Mod
         name=name,
         architecture=architecture,
         kind=kind,
-        parameters=sum(p.numel() for p in params),
+        parameters=sum(p.numel() for p in params) + packed_numel_missing(model),
         trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
         parameter_bytes=sum(p.numel() * p.element_size() for p in params),
         buffer_bytes=sum(b.numel() * b.element_size() for b in buffers),

@@ -70,6 +70,16 @@ class Recipe:
     grad_accum: int = 1
     mode: Mode = "train"
     extras: dict[str, Any] = field(default_factory=dict)
+    # Fine-tuning (sources/finetune.py): LoRA through peft, bitsandbytes layouts, freezing.
+    lora_rank: int = 0
+    lora_alpha: float | None = None
+    lora_dropout: float = 0.0
+    lora_targets: str | None = None
+    freeze: str | None = None
+    train_only: str | None = None
+    quantize: str = "none"
+    double_quant: bool = False
+    compute_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -97,6 +107,7 @@ class Recipe:
         object.__setattr__(self, "mode", _choice(self.mode, MODES, "mode"))
         if self.mode == "infer":
             object.__setattr__(self, "optimizer", "none")
+        _check_finetune(self)
 
     @property
     def checkpoint_blocks(self) -> int | None:
@@ -137,6 +148,9 @@ class Recipe:
         data["input_shape"] = list(self.input_shape) if self.input_shape else None
         if not data["extras"]:
             data.pop("extras")
+        for name, default in FINETUNE_DEFAULTS.items():  # absent unless asked for
+            if data[name] == default:
+                data.pop(name)
         return data
 
 
@@ -156,3 +170,50 @@ def parse_shape(text: str) -> tuple[int, ...]:
     if not shape or any(d <= 0 for d in shape):
         raise UserError(f"cannot read shape {text!r}: every size must be a positive integer")
     return shape
+
+
+QUANTIZE = ("none", "nf4", "fp4", "int8")
+COMPUTE_DTYPES = ("bf16", "fp16")
+FINETUNE_DEFAULTS = {
+    "lora_rank": 0,
+    "lora_alpha": None,
+    "lora_dropout": 0.0,
+    "lora_targets": None,
+    "freeze": None,
+    "train_only": None,
+    "quantize": "none",
+    "double_quant": False,
+    "compute_dtype": None,
+}
+
+
+def _check_finetune(recipe: Recipe) -> None:
+    """Validate the fine-tuning knobs (LoRA, quantization, freezing) in place."""
+    rank = recipe.lora_rank
+    if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
+        raise UserError(f"LoRA rank must be a non-negative integer, got {rank}")
+    if recipe.lora_alpha is not None and (
+        isinstance(recipe.lora_alpha, bool)
+        or not isinstance(recipe.lora_alpha, (int, float))
+        or recipe.lora_alpha <= 0
+    ):
+        raise UserError(f"LoRA alpha must be a positive number, got {recipe.lora_alpha}")
+    dropout = recipe.lora_dropout
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0 <= dropout < 1:
+        raise UserError(f"LoRA dropout must be in [0, 1), got {dropout}")
+    for name in ("lora_targets", "freeze", "train_only"):
+        value = getattr(recipe, name)
+        if value is not None and (not isinstance(value, str) or not value.strip(" ,")):
+            flag = "--" + name.replace("_", "-")
+            raise UserError(f"{flag} needs comma-separated names or patterns, got {value!r}")
+    if not rank and (recipe.lora_alpha is not None or recipe.lora_targets or dropout):
+        raise UserError("--lora-alpha, --lora-dropout and --lora-targets need --lora R")
+    object.__setattr__(recipe, "quantize", _choice(recipe.quantize, QUANTIZE, "quantization"))
+    if recipe.compute_dtype is not None:
+        object.__setattr__(
+            recipe, "compute_dtype", _choice(recipe.compute_dtype, COMPUTE_DTYPES, "compute dtype")
+        )
+    if recipe.quantize == "none" and (recipe.double_quant or recipe.compute_dtype):
+        raise UserError("--double-quant and --compute-dtype need --quantize nf4|fp4|int8")
+    if recipe.quantize == "int8" and recipe.double_quant:
+        raise UserError("--double-quant applies to 4-bit (nf4, fp4) weights, not int8")

@@ -83,7 +83,8 @@ RECIPE_OPTIONS = (
 def recipe_from_options(options: dict) -> Recipe:
     """Validate a command's recipe options (read by name from ``options``, e.g. the
     command's ``locals()``) into a Recipe; a UserError on any bad value."""
-    return Recipe(**{name: options[name] for name in RECIPE_OPTIONS})
+    knobs = {name: options[name] for name in RECIPE_OPTIONS}
+    return Recipe(**knobs, **finetune_from_options(options))
 
 
 GpuOpt = Annotated[
@@ -190,3 +191,86 @@ QuietOpt = Annotated[
         "--quiet", "-q", help="No progress line on stderr while tracing (--json implies it)."
     ),
 ]
+
+
+# -- fine-tuning (sources/finetune.py) -----------------------------------------------------
+
+LoraOpt = Annotated[
+    int,
+    typer.Option(
+        "--lora",
+        help="LoRA rank R: wrap the model with peft's get_peft_model(LoraConfig(r=R)); base "
+        "weights frozen (0: no LoRA).",
+    ),
+]
+LoraTargetsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--lora-targets",
+        help="Comma-separated module names (q_proj,v_proj) or all-linear (default: peft's "
+        "per-architecture choice).",
+    ),
+]
+LoraAlphaOpt = Annotated[
+    float | None, typer.Option("--lora-alpha", help="LoRA alpha (default: peft's, 8).")
+]
+LoraDropoutOpt = Annotated[
+    float, typer.Option("--lora-dropout", help="Dropout on the adapters' input (keeps a mask).")
+]
+FreezeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--freeze",
+        help="Comma-separated fnmatch patterns of parameter names to freeze, e.g. 'model.embed*'.",
+    ),
+]
+TrainOnlyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--train-only",
+        help="Comma-separated fnmatch patterns: only matching parameters train, e.g. "
+        "'classifier.*'.",
+    ),
+]
+QuantizeOpt = Annotated[
+    str,
+    typer.Option(
+        "--quantize",
+        help="none | nf4 | fp4 | int8: bitsandbytes' storage of every linear but the output "
+        "head (QLoRA: --quantize nf4 --lora R).",
+    ),
+]
+DoubleQuantOpt = Annotated[
+    bool,
+    typer.Option(
+        "--double-quant", help="4-bit: quantize the absmax too (bnb_4bit_use_double_quant)."
+    ),
+]
+ComputeDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--compute-dtype",
+        help="bf16 | fp16: dtype the quantized layers dequantize to (default: the precision's "
+        "half dtype, else bf16).",
+    ),
+]
+
+FINETUNE_OPTIONS = (
+    "lora",
+    "lora_targets",
+    "lora_alpha",
+    "lora_dropout",
+    "freeze",
+    "train_only",
+    "quantize",
+    "double_quant",
+    "compute_dtype",
+)
+
+
+def finetune_from_options(options: dict) -> dict:
+    """The fine-tuning knobs among a command's options (those it has), by Recipe name."""
+    knobs = {name: options[name] for name in FINETUNE_OPTIONS if name in options}
+    if "lora" in knobs:
+        knobs["lora_rank"] = knobs.pop("lora")
+    return knobs

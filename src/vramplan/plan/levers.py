@@ -26,7 +26,16 @@ FLAG_NAMES = {
     "optimizer": "--optimizer",
     "batch_size": "--batch-size",
     "grad_accum": "--grad-accum",
+    "lora_rank": "--lora",
+    "lora_targets": "--lora-targets",
+    "quantize": "--quantize",
+    "double_quant": "--double-quant",
 }
+# Fine-tuning levers (HF decoders only): LoRA r=16 on every linear, and QLoRA (the same
+# adapters over an NF4, double-quantized base), as the QLoRA paper and peft recipes run them.
+LORA = {"lora_rank": 16, "lora_targets": "all-linear"}
+QLORA = {"quantize": "nf4", "double_quant": True, **LORA}
+FINETUNE_LEVERS = ("LoRA", "QLoRA")
 
 
 @dataclass(frozen=True)
@@ -45,7 +54,9 @@ class LeverResult:
 
     @property
     def flags(self) -> str:
-        return " ".join(f"{FLAG_NAMES[k]} {v}" for k, v in self.changes.items())
+        return " ".join(
+            FLAG_NAMES[k] if v is True else f"{FLAG_NAMES[k]} {v}" for k, v in self.changes.items()
+        )
 
     def to_json(self) -> dict:
         return {
@@ -156,7 +167,35 @@ def _candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]
                 {"note": "drops the momentum buffer; changes the optimisation"},
             )
         )
-    return found
+    return found + _finetune_candidates(bench, recipe)
+
+
+def _finetune_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]]:
+    """LoRA and QLoRA, for a Hugging Face decoder being fully fine-tuned that does not fit:
+    they change what is trained (adapters only), so they come after the full-training
+    levers."""
+    if not (recipe.is_training and bench.model.startswith("hf:")):
+        return []
+    if recipe.lora_rank or recipe.quantize != "none" or recipe.freeze or recipe.train_only:
+        return []
+    baseline = bench.estimate(recipe)
+    if baseline.model.kind != "causal-lm" or baseline.verdict.status == "fits":
+        return []
+    return [
+        (
+            "LoRA",
+            dict(LORA),
+            {"note": "peft adapters (r=16, all linear layers) train; the base is frozen"},
+        ),
+        (
+            "QLoRA",
+            dict(QLORA),
+            {
+                "note": "LoRA over an NF4 double-quantized base (bitsandbytes): each matmul "
+                "dequantizes its weight, slower steps"
+            },
+        ),
+    ]
 
 
 def _apply(recipe: Recipe, changes: dict) -> Recipe:
@@ -215,6 +254,8 @@ def _result(
         cost["recompute_fraction"] = round(flops / base_flops - 1.0, 4)
     if "grad_accum" in changes:
         cost["micro_steps_per_optimizer_step"] = changes["grad_accum"]
+    if "lora_rank" in changes:
+        cost["trainable_parameters"] = estimate.model.trainable_parameters
     saved = baseline.peak.device_total_bytes - estimate.peak.device_total_bytes
     return LeverResult(name, changes, estimate, saved, cost)
 
@@ -279,7 +320,9 @@ def _first_plan(
     others = [
         lever
         for lever in singles
-        if "precision" not in lever.changes and lever.name != "gradient accumulation"
+        if "precision" not in lever.changes
+        and lever.name != "gradient accumulation"
+        and lever.name not in FINETUNE_LEVERS
     ]
     for precision in precisions:
         changes = dict(precision.changes) if precision else {}
@@ -299,4 +342,37 @@ def _first_plan(
                 trial = _selective(bench, recipe, trial)
                 label = names + (["gradient accumulation"] if "grad_accum" in trial else [])
                 return _result(bench, recipe, " + ".join(label), trial, {}, baseline, base_flops)
+    finetunes = [lever for lever in singles if lever.name in FINETUNE_LEVERS]
+    return _finetune_plan(bench, recipe, finetunes, precisions, baseline, base_flops)
+
+
+def _finetune_plan(
+    bench: Workbench,
+    recipe: Recipe,
+    finetunes: list[LeverResult],
+    precisions: list[LeverResult | None],
+    baseline: Estimate,
+    base_flops: int | None,
+) -> LeverResult | None:
+    """LoRA, then QLoRA, with each precision, then with checkpointing too (and gradient
+    accumulation when needed): the first that fits, checkpointing trimmed."""
+    ckpt = {"checkpointing": "full"} if recipe.checkpointing == "none" else {}
+    for finetune in finetunes:
+        for precision in precisions:
+            base = {**(precision.changes if precision else {}), **finetune.changes}
+            names = [*([precision.name] if precision else []), finetune.name]
+            for extra, extra_names in (({}, []), (ckpt, ["activation checkpointing"])):
+                if extra_names and not extra:
+                    continue
+                changes = {**base, **extra}
+                trial = (
+                    changes
+                    if bench.fits(_apply(recipe, changes))
+                    else (_accumulate(bench, recipe, changes) if recipe.batch_size > 1 else None)
+                )
+                if trial is not None:
+                    trial = _selective(bench, recipe, trial)
+                    accum = ["gradient accumulation"] if "grad_accum" in trial else []
+                    label = " + ".join(names + extra_names + accum)
+                    return _result(bench, recipe, label, trial, finetune.cost, baseline, base_flops)
     return None

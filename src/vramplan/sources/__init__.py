@@ -27,6 +27,16 @@ def resolve(spec: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
             f"cannot read model {spec!r}: use torchvision:NAME, timm:NAME, hf:NAME, "
             "path/to/file.py:factory or package.module:factory"
         )
+    if prefix in PREFIXES:
+        from vramplan.sources.finetune import apply_finetune
+
+        return apply_finetune(_build_named(prefix, rest, recipe, device), recipe, device)
+    from vramplan.sources.user_code import build_from_factory
+
+    return build_from_factory(spec, recipe, device)
+
+
+def _build_named(prefix: str, rest: str, recipe: Recipe, device: str) -> BuiltModel:
     if prefix == "torchvision":
         from vramplan.sources.vision import build_torchvision
 
@@ -35,13 +45,9 @@ def resolve(spec: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
         from vramplan.sources.vision import build_timm
 
         return build_timm(rest, recipe, device)
-    if prefix == "hf":
-        from vramplan.sources.hf import build_hf
+    from vramplan.sources.hf import build_hf
 
-        return build_hf(rest, recipe, device)
-    from vramplan.sources.user_code import build_from_factory
-
-    return build_from_factory(spec, recipe, device)
+    return build_hf(rest, recipe, device)
 
 
 __all__ = ["BuiltModel", "resolve", "model_names", "PREFIXES"]

@@ -139,12 +139,19 @@ def module_source(
         return torch.randn(batch_size, *shape, dtype=dtype)
 
     def run(module: nn.Module, batch: Batch, training: bool):
-        output = module(*batch) if isinstance(batch, tuple) else module(batch)
+        if isinstance(batch, dict):  # keyword inputs, as Hugging Face (and peft) models take
+            output = module(**batch)
+        elif isinstance(batch, tuple):
+            output = module(*batch)
+        else:
+            output = module(batch)
         if not training:
             return output
         return loss_fn(output, batch) if loss_fn is not None else generic_loss(output)
 
-    return BuiltModel(
+    from vramplan.sources.finetune import apply_finetune
+
+    built = BuiltModel(
         name=name,
         architecture=type(model).__name__,
         kind="custom",
@@ -154,6 +161,7 @@ def module_source(
         default_input_shape=shape or (),
         enable_checkpointing=checkpoint_repeated_blocks,
     )
+    return apply_finetune(built, recipe, "meta" if copy_to_meta else "real")
 
 
 def meta_copy(model: nn.Module) -> nn.Module:

@@ -1,0 +1,190 @@
+"""Fine-tuning as people run it: quantized base weights, LoRA through the real ``peft``,
+and frozen parameters, applied to a built (meta) model before it is traced.
+
+The order is the one of a QLoRA script: the base model is loaded quantized
+(``BitsAndBytesConfig``; here ``sources/quantized.py`` models bitsandbytes' layouts), then
+wrapped with ``get_peft_model(model, LoraConfig(...))``, which freezes every base weight and
+adds trainable adapters; ``--freeze`` / ``--train-only`` then freeze by parameter name::
+
+    built = apply_finetune(resolve("hf:llama-2-7b", recipe), Recipe(lora_rank=8))
+    sum(p.numel() for p in built.model.parameters() if p.requires_grad)   # 4,194,304
+
+Frozen parameters get no gradient (autograd skips them) and no optimizer state (only
+trainable parameters reach the optimizer), so the traced step shows exactly that.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from fnmatch import fnmatchcase
+
+import torch
+from torch import nn
+
+from vramplan.errors import UserError
+from vramplan.recipe import Recipe
+from vramplan.sources.base import BuiltModel
+from vramplan.sources.quantized import quantize_linears
+
+_TASK_TYPES = {
+    "causal-lm": "CAUSAL_LM",
+    "seq2seq": "SEQ_2_SEQ_LM",
+    "sequence-classification": "SEQ_CLS",
+}
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def wants_finetune(recipe: Recipe) -> bool:
+    """Whether the recipe asks for any of LoRA, quantized weights or frozen parameters."""
+    return bool(recipe.lora_rank or recipe.quantize != "none" or recipe.freeze or recipe.train_only)
+
+
+def patterns(text: str | None) -> list[str]:
+    """Comma-separated fnmatch patterns (``"*.embed_tokens.*,lm_head.*"``)."""
+    return [p.strip() for p in (text or "").split(",") if p.strip()]
+
+
+def compute_dtype_for(recipe: Recipe) -> torch.dtype:
+    """``--compute-dtype``, else the recipe's half-precision dtype, else bf16 (QLoRA's)."""
+    if recipe.compute_dtype:
+        return _COMPUTE_DTYPES[recipe.compute_dtype]
+    return torch.float16 if recipe.compute_dtype_name == "float16" else torch.bfloat16
+
+
+def _output_head(model: nn.Module) -> set[int]:
+    """The modules bitsandbytes leaves unquantized: the output embedding (transformers'
+    ``get_keys_to_not_convert``: ``lm_head``) and any linear named ``lm_head``."""
+    skip = set()
+    get_output = getattr(model, "get_output_embeddings", None)
+    head = get_output() if callable(get_output) else None
+    if head is not None:
+        skip.add(id(head))
+    for name, module in model.named_modules():
+        if name.split(".")[-1] == "lm_head":
+            skip.add(id(module))
+    return skip
+
+
+def _quiet_bitsandbytes_import() -> None:
+    """peft imports bitsandbytes when it is installed; on a CPU machine bitsandbytes logs a
+    warning about its optional CPU kernels at import, which is not the user's concern."""
+    logger = logging.getLogger("bitsandbytes")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        import bitsandbytes  # noqa: F401
+    except Exception:  # absent or unusable here: peft then does without it
+        pass
+    finally:
+        logger.setLevel(level)
+
+
+def _peft():
+    _quiet_bitsandbytes_import()
+    try:
+        import peft
+    except ImportError:
+        raise UserError("peft is not installed: pip install 'vramplan[finetune]'") from None
+    return peft
+
+
+def lora_config(recipe: Recipe, kind: str):
+    """peft's ``LoraConfig`` for the recipe (peft's defaults where the recipe is silent:
+    its per-architecture target modules, ``lora_alpha=8``)."""
+    peft = _peft()
+    targets = recipe.lora_targets
+    if targets is not None and targets.strip().lower() != "all-linear":
+        targets = patterns(targets)
+    elif targets is not None:
+        targets = "all-linear"
+    options = {"r": recipe.lora_rank, "lora_dropout": recipe.lora_dropout}
+    if recipe.lora_alpha is not None:
+        options["lora_alpha"] = recipe.lora_alpha
+    task = _TASK_TYPES.get(kind)
+    if task is not None:
+        options["task_type"] = task
+    return peft.LoraConfig(target_modules=targets, **options)
+
+
+def wrap_lora(model: nn.Module, recipe: Recipe, kind: str) -> nn.Module:
+    """``get_peft_model(model, LoraConfig(...))``, as users write it."""
+    peft = _peft()
+    config = lora_config(recipe, kind)
+    try:
+        with warnings.catch_warnings():  # peft's fan_in_fan_out notice, transformers' renames
+            warnings.simplefilter("ignore")
+            return peft.get_peft_model(model, config)
+    except (ValueError, TypeError, KeyError) as exc:
+        raise UserError(f"peft cannot add LoRA adapters: {exc}") from None
+
+
+def apply_freezing(model: nn.Module, freeze: str | None, train_only: str | None) -> None:
+    """``--train-only``: only parameters matching a pattern train; ``--freeze``: those
+    matching a pattern do not. Patterns are fnmatch patterns over parameter names."""
+    named = list(model.named_parameters())
+    for option, text in (("--train-only", train_only), ("--freeze", freeze)):
+        for pattern in patterns(text):
+            if not any(fnmatchcase(name, pattern) for name, _ in named):
+                example = named[0][0] if named else "(none)"
+                raise UserError(
+                    f"{option} {pattern!r} matches no parameter name (names look like {example!r})"
+                )
+    if train_only:
+        keep = patterns(train_only)
+        for name, param in named:
+            param.requires_grad_(any(fnmatchcase(name, p) for p in keep))
+    for name, param in named:
+        if any(fnmatchcase(name, p) for p in patterns(freeze)):
+            param.requires_grad_(False)
+
+
+def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> BuiltModel:
+    """The built model quantized, LoRA-wrapped and frozen as the recipe says (unchanged
+    when it says nothing)."""
+    if not wants_finetune(recipe):
+        return built
+    model = built.model
+    notes = list(built.notes)
+    if recipe.quantize != "none":
+        if device != "meta":
+            raise UserError("--quantize is modelled on the meta device only; it cannot be run")
+        dtype = compute_dtype_for(recipe)
+        count = quantize_linears(
+            model, recipe.quantize, recipe.double_quant, dtype, _output_head(model)
+        )
+        if count == 0:
+            raise UserError(f"--quantize {recipe.quantize}: {built.name} has no linear layer")
+        stats = "double-quantized absmax" if recipe.double_quant else "fp32 absmax per 64"
+        layout = (
+            "int8 weights, fp32 row scales"
+            if recipe.quantize == "int8"
+            else f"packed 4-bit weights, {stats}"
+        )
+        notes.append(
+            f"quantized {recipe.quantize}: {count} linear layers ({layout}; output head kept), "
+            f"computing in {str(dtype).removeprefix('torch.')}: bitsandbytes' layouts modelled, "
+            "not bitsandbytes itself"
+        )
+    if recipe.lora_rank:
+        model = wrap_lora(model, recipe, built.kind)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        notes.append(
+            f"LoRA r={recipe.lora_rank} through peft on {_target_names(model)}: "
+            f"{trainable:,} trainable parameters, base weights frozen"
+        )
+    if recipe.freeze or recipe.train_only:
+        apply_freezing(model, recipe.freeze, recipe.train_only)
+    if recipe.is_training and not any(p.requires_grad for p in model.parameters()):
+        raise UserError("no parameter is left to train: loosen --freeze / --train-only")
+    built.model = model
+    built.notes = notes
+    return built
+
+
+def _target_names(model: nn.Module) -> str:
+    config = next(iter(getattr(model, "peft_config", {}).values()), None)
+    targets = getattr(config, "target_modules", None)
+    if isinstance(targets, (set, list, tuple)):
+        return ", ".join(sorted(targets))
+    return str(targets)
