@@ -10,8 +10,8 @@ from __future__ import annotations
 import time
 
 from vramplan.device.options import device_options
-from vramplan.plan.bench import Workbench
-from vramplan.plan.search import largest_fitting
+from vramplan.planner.bench import Workbench
+from vramplan.planner.search import largest_fitting
 from vramplan.recipe import Recipe
 
 CASES = [

@@ -14,7 +14,7 @@ import vramplan
 PACKAGE = Path(vramplan.__file__).parent
 LOWER = ("vramplan.trace", "vramplan.sources", "vramplan.device", "vramplan.result")
 UPPER = (
-    "vramplan.plan",
+    "vramplan.planner",
     "vramplan.cli",
     "vramplan.report",
     "vramplan.session",
@@ -115,8 +115,8 @@ STAGE_ORDER = (
     ("vramplan.result", "vramplan.optimizers", "vramplan.sources", "vramplan.trace"),
     ("vramplan.device",),
     ("vramplan.pipeline", "vramplan.analytic"),
-    ("vramplan.distributed", "vramplan.measure"),
-    ("vramplan.plan",),
+    ("vramplan.distributed", "vramplan.measurement"),
+    ("vramplan.planner",),
 )
 
 
@@ -170,3 +170,25 @@ def test_the_public_api_is_curated():
     for name in vramplan.__all__:
         assert hasattr(vramplan, name), name
     assert not any(name.startswith("_") and name != "__version__" for name in vramplan.__all__)
+
+
+def test_no_subpackage_shadows_a_public_name():
+    """Importing a submodule binds it on its parent package, so a subpackage named like a
+    public function (``vramplan.plan``) would replace the function once it loads."""
+    submodules = {
+        _module_name(p).split(".")[1] for p in PACKAGE.rglob("*.py") if p.parent != PACKAGE
+    }
+    submodules |= {p.stem for p in PACKAGE.glob("*.py")}
+    assert submodules.isdisjoint(set(vramplan.__all__) - {"__version__"})
+
+
+def test_public_functions_stay_callable_after_the_stages_load():
+    import subprocess
+    import sys
+
+    code = (
+        "import vramplan, vramplan.session, vramplan.api\n"
+        "assert callable(vramplan.plan) and callable(vramplan.measure), "
+        "(vramplan.plan, vramplan.measure)\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

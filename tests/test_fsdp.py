@@ -16,8 +16,8 @@ from vramplan.distributed.fsdp import Fsdp2
 from vramplan.distributed.layout import ParallelLayout, per_rank
 from vramplan.distributed.needed import GpusNeeded
 from vramplan.pipeline import estimate_built
-from vramplan.plan.bench import Workbench
-from vramplan.plan.sharded import traced_answer
+from vramplan.planner.bench import Workbench
+from vramplan.planner.sharded import traced_answer
 from vramplan.recipe import Recipe
 from vramplan.sources import resolve
 

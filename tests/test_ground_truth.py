@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch import nn
 
-from vramplan.measure.run import measure_built
+from vramplan.measurement.run import measure_built
 from vramplan.pipeline import estimate_built
 from vramplan.recipe import Recipe
 from vramplan.sources import resolve

@@ -7,7 +7,7 @@ import json
 import pytest
 
 from vramplan.device.profile import DeviceProfile, load_profile, save_profile
-from vramplan.measure.leak import check_leak
+from vramplan.measurement.leak import check_leak
 
 
 @pytest.fixture

@@ -11,10 +11,10 @@ from vramplan import estimate
 from vramplan.cli import main
 from vramplan.device.options import device_options
 from vramplan.errors import UserError
-from vramplan.plan.bench import Workbench
-from vramplan.plan.host import HostOptions, host_memory
-from vramplan.plan.levers import _candidates, plan_levers
-from vramplan.plan.search import bisection_cost, largest_fitting
+from vramplan.planner.bench import Workbench
+from vramplan.planner.host import HostOptions, host_memory
+from vramplan.planner.levers import _candidates, plan_levers
+from vramplan.planner.search import bisection_cost, largest_fitting
 from vramplan.recipe import Recipe
 
 # The runtime floor (CUDA context, cuBLAS and cuDNN kernels) is about 746 MiB, and the high

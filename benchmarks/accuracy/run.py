@@ -24,8 +24,8 @@ import torch
 
 import vramplan
 from vramplan.errors import UserError
-from vramplan.measure.compare import FIGURES
-from vramplan.measure.run import default_device
+from vramplan.measurement.compare import FIGURES
+from vramplan.measurement.run import default_device
 from vramplan.recipe import Recipe, parse_shape
 
 HERE = Path(__file__).resolve().parent

@@ -36,9 +36,9 @@ if TYPE_CHECKING:
         plan,
     )
     from vramplan.distributed.layout import ParallelLayout
-    from vramplan.measure.compare import Comparison
-    from vramplan.plan.answer import PlanAnswer
-    from vramplan.plan.search import SearchResult
+    from vramplan.measurement.compare import Comparison
+    from vramplan.planner.answer import PlanAnswer
+    from vramplan.planner.search import SearchResult
     from vramplan.quick import calc, gpus, layers, llm, models
     from vramplan.session import Session
 
@@ -60,9 +60,9 @@ _LAZY = {
     "gpus": "vramplan.quick",
     "models": "vramplan.quick",
     "ParallelLayout": "vramplan.distributed.layout",
-    "SearchResult": "vramplan.plan.search",
-    "PlanAnswer": "vramplan.plan.answer",
-    "Comparison": "vramplan.measure.compare",
+    "SearchResult": "vramplan.planner.search",
+    "PlanAnswer": "vramplan.planner.answer",
+    "Comparison": "vramplan.measurement.compare",
 }
 
 

@@ -22,11 +22,11 @@ from vramplan.device.profile import DeviceProfile, save_profile
 from vramplan.distributed.layout import ParallelLayout
 from vramplan.distributed.options import layout_from_flags
 from vramplan.errors import UserError
-from vramplan.measure.calibrate import calibrate_device
-from vramplan.measure.compare import Comparison
+from vramplan.measurement.calibrate import calibrate_device
+from vramplan.measurement.compare import Comparison
 from vramplan.pipeline import estimate_user_step
-from vramplan.plan.answer import PlanAnswer
-from vramplan.plan.search import SearchResult
+from vramplan.planner.answer import PlanAnswer
+from vramplan.planner.search import SearchResult
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.session import Session

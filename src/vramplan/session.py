@@ -27,14 +27,14 @@ from vramplan.distributed.facts import facts_of
 from vramplan.distributed.fsdp import engine_for, with_traced_layout
 from vramplan.distributed.layout import ParallelLayout, check_layout, per_rank
 from vramplan.errors import UserError
-from vramplan.measure.compare import Comparison, errors_of
-from vramplan.measure.leak import check_leak
-from vramplan.measure.run import check_device, local_card, measure_built
+from vramplan.measurement.compare import Comparison, errors_of
+from vramplan.measurement.leak import check_leak
+from vramplan.measurement.run import check_device, local_card, measure_built
 from vramplan.pipeline import estimate_built
-from vramplan.plan.answer import PlanAnswer, answer_plan
-from vramplan.plan.bench import TraceEvent, TraceLog, Workbench, trace_label
-from vramplan.plan.host import HostOptions
-from vramplan.plan.search import SearchResult, largest_fitting
+from vramplan.planner.answer import PlanAnswer, answer_plan
+from vramplan.planner.bench import TraceEvent, TraceLog, Workbench, trace_label
+from vramplan.planner.host import HostOptions
+from vramplan.planner.search import SearchResult, largest_fitting
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.sources import BuiltModel, resolve

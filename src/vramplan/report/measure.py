@@ -14,7 +14,7 @@ from rich.table import Table
 from vramplan.units import format_bytes
 
 if TYPE_CHECKING:
-    from vramplan.measure.compare import Comparison
+    from vramplan.measurement.compare import Comparison
 
 
 def comparison_rows(result: Comparison, units: str) -> list[list[str]]:

@@ -16,8 +16,8 @@ from vramplan.distributed.needed import host_state_bytes
 from vramplan.units import format_bytes
 
 if TYPE_CHECKING:
-    from vramplan.plan.answer import PlanAnswer
-    from vramplan.plan.search import SearchResult
+    from vramplan.planner.answer import PlanAnswer
+    from vramplan.planner.search import SearchResult
 
 
 def trace_summary(traced: tuple[tuple[str, float], ...]) -> str:

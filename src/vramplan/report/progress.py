@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from vramplan.plan.bench import TraceEvent
+    from vramplan.planner.bench import TraceEvent
 
 
 def progress_wanted(json_output: bool, quiet: bool, stream: IO[str] | None = None) -> bool:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramplan.errors import UserError
-from vramplan.plan.bench import Workbench
+from vramplan.planner.bench import Workbench
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from vramplan.device.catalog import GpuSpec, catalog
-from vramplan.plan.bench import Workbench
-from vramplan.plan.levers import LeverResult
+from vramplan.planner.bench import Workbench
+from vramplan.planner.levers import LeverResult
 from vramplan.recipe import Recipe
 
 

@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from vramplan.distributed.fsdp import engine_for, with_traced_layout
 from vramplan.distributed.needed import GpusNeeded
-from vramplan.plan.bench import Workbench
+from vramplan.planner.bench import Workbench
 from vramplan.recipe import Recipe
 
 

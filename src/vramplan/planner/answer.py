@@ -14,11 +14,11 @@ from vramplan.device.catalog import catalog
 from vramplan.distributed.facts import facts_of
 from vramplan.distributed.needed import GpusNeeded, gpus_needed
 from vramplan.errors import UserError
-from vramplan.plan.bench import Workbench
-from vramplan.plan.fleet import GpuFit, gpus_that_fit
-from vramplan.plan.host import HostMemory, HostOptions, host_memory
-from vramplan.plan.levers import PlanResult, plan_levers
-from vramplan.plan.sharded import traced_answer
+from vramplan.planner.bench import Workbench
+from vramplan.planner.fleet import GpuFit, gpus_that_fit
+from vramplan.planner.host import HostMemory, HostOptions, host_memory
+from vramplan.planner.levers import PlanResult, plan_levers
+from vramplan.planner.sharded import traced_answer
 from vramplan.recipe import Recipe
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from vramplan.device.catalog import lookup_gpu
 from vramplan.device.profile import DeviceProfile
 from vramplan.errors import UserError
-from vramplan.measure.nvml import driver_version, nvml_used_bytes
+from vramplan.measurement.nvml import driver_version, nvml_used_bytes
 
 
 def calibrate_device() -> DeviceProfile:

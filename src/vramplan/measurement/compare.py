@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from vramplan.measure.leak import LeakReport
-from vramplan.measure.run import Measurement
+from vramplan.measurement.leak import LeakReport
+from vramplan.measurement.run import Measurement
 from vramplan.result import Estimate
 
 FIGURES = ("allocated", "reserved", "device_total")

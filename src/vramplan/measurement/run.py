@@ -21,7 +21,7 @@ import torch
 
 from vramplan.device.catalog import GpuSpec, gpu_from_memory, lookup_gpu
 from vramplan.errors import UserError
-from vramplan.measure.nvml import driver_version, nvml_used_bytes
+from vramplan.measurement.nvml import driver_version, nvml_used_bytes
 from vramplan.optimizers import build_optimizer
 from vramplan.recipe import Recipe
 from vramplan.result import Phase

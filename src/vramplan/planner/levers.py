@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vramplan.pipeline import trace_and_estimate
-from vramplan.plan.bench import Workbench
+from vramplan.planner.bench import Workbench
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.trace.policy import CudaPolicy
