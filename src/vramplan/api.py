@@ -34,7 +34,7 @@ from vramplan.recipe import Recipe, parse_shape
 from vramplan.result import Estimate
 from vramplan.session import Session
 from vramplan.sources import model_names
-from vramplan.sources.hf import load_config_dict
+from vramplan.sources.hf import full_config, load_config_dict
 from vramplan.sources.user_code import meta_copy
 from vramplan.units import parse_count
 
@@ -203,7 +203,7 @@ def calc(
     as numbers or with suffixes (``"20M"``, ``"1.3B"``)."""
     recipe = Recipe(batch_size=batch_size, precision=precision, optimizer=optimizer, mode=mode)
     return calculate(
-        parse_count(params, "parameter count"),
+        parse_count(params, "parameter count", minimum=1),
         batch_size,
         parse_count(activations_per_sample, "activations per sample"),
         recipe,
@@ -246,12 +246,17 @@ def llm(
         raise UserError(f"unknown attention {attention!r}; choose flash or eager")
     if recompute not in ("none", "selective", "full"):
         raise UserError(f"unknown recompute {recompute!r}; choose none, selective or full")
-    if lora_rank < 0 or (qlora and lora_rank == 0):
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise UserError(
+            f"LoRA rank must be a positive integer (or 0 for full fine-tuning), got {lora_rank}"
+        )
+    if qlora and lora_rank == 0:
         raise UserError("--qlora needs --lora-rank R (a positive rank)")
     prefix, _, name = model.partition(":")
     if prefix != "hf" or not name:
         raise UserError(f"llm takes hf:NAME or hf:path/config.json, got {model!r}")
     label, config = load_config_dict(name)
+    config = full_config(label, config)
     recipe = Recipe(
         batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer, mode=mode
     )

@@ -146,7 +146,10 @@ def parse_shape(text: str) -> tuple[int, ...]:
     >>> parse_shape("3x224x224")
     (3, 224, 224)
     """
-    parts = [p for p in str(text).replace(",", "x").replace("X", "x").split("x") if p.strip()]
+    parts = str(text).replace(",", "x").replace("X", "x").split("x")
+    if any(not p.strip() for p in parts) and str(text).strip():
+        raise UserError(f"cannot read shape {text!r}: a size is missing (use 3x224x224)")
+    parts = [p for p in parts if p.strip()]
     try:
         shape = tuple(int(p) for p in parts)
     except ValueError:

@@ -151,7 +151,9 @@ class Session:
         when nothing fits one card. Without a card, every catalog GPU is judged."""
         recipe = _recipe(recipe, knobs)
         limit = (
-            parse_bytes(host_memory, "host memory") if isinstance(host_memory, str) else host_memory
+            parse_bytes(host_memory, "host memory", require_unit=True)
+            if isinstance(host_memory, str)
+            else host_memory
         )
         host = HostOptions(workers=workers, limit_bytes=limit, offload_optimizer=offload_optimizer)
         every_gpu = self.device.gpu is None
