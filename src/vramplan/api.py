@@ -25,6 +25,7 @@ from vramplan.device.profile import DeviceProfile, save_profile
 from vramplan.distributed.layout import ParallelLayout
 from vramplan.distributed.options import layout_from_flags
 from vramplan.errors import UserError
+from vramplan.limits import DEFAULT_TIMEOUT, user_code_timeout
 from vramplan.measure.calibrate import calibrate_device
 from vramplan.measure.compare import Comparison
 from vramplan.pipeline import estimate_user_step
@@ -51,6 +52,7 @@ SESSION_OPTIONS = (
     "framework",
     "example_batch",
     "loss_fn",
+    "timeout",
 )
 
 
@@ -126,6 +128,7 @@ def estimate_step(
     gpu: str | None = None,
     gpu_memory: str | None = None,
     headroom: float = 0.10,
+    timeout: float | None = DEFAULT_TIMEOUT,
 ) -> Estimate:
     """Estimate the user's own training step: their loss, their loop, their optimizer.
 
@@ -159,17 +162,18 @@ def estimate_step(
             "optimizer": "user-defined" if optimizer is not None else "none",
         },
     )
-    return estimate_user_step(
-        step_fn,
-        meta_copy(model),
-        batch,
-        optimizer,
-        recipe,
-        iterations,
-        name or f"{type(model).__name__} step",
-        target,
-        device_options(gpu, gpu_memory, headroom),
-    )
+    with user_code_timeout(timeout):
+        return estimate_user_step(
+            step_fn,
+            meta_copy(model),
+            batch,
+            optimizer,
+            recipe,
+            iterations,
+            name or f"{type(model).__name__} step",
+            target,
+            device_options(gpu, gpu_memory, headroom),
+        )
 
 
 def _leading_dim(batch: Any) -> int:

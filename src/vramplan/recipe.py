@@ -96,6 +96,11 @@ class Recipe:
         object.__setattr__(self, "checkpointing", _checkpointing(self.checkpointing))
         object.__setattr__(self, "mode", _choice(self.mode, MODES, "mode"))
         if self.mode == "infer":
+            if self.checkpointing != "none":
+                raise UserError(
+                    f"--checkpointing {self.checkpointing} recomputes activations in backward; "
+                    "--mode infer has no backward"
+                )
             object.__setattr__(self, "optimizer", "none")
 
     @property

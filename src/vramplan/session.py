@@ -12,6 +12,7 @@ Traces are cached per recipe, so asking again (or planning after estimating) reu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -27,6 +28,7 @@ from vramplan.distributed.facts import facts_of
 from vramplan.distributed.fsdp import engine_for, with_traced_layout
 from vramplan.distributed.layout import ParallelLayout, check_layout, per_rank
 from vramplan.errors import UserError
+from vramplan.limits import DEFAULT_TIMEOUT, check_timeout, time_limit, user_code_timeout
 from vramplan.measure.compare import Comparison, errors_of
 from vramplan.measure.leak import check_leak
 from vramplan.measure.run import check_device, local_card, measure_built
@@ -56,6 +58,17 @@ TENSORFLOW_NOTE = (
 )
 
 
+def _limited(method):
+    """Run a question with the session's time limit on user code (factories, steps)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with user_code_timeout(self.timeout):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class Session:
     """A model (a source name such as ``hf:gpt2``, or an ``nn.Module`` with its example
     batch and loss) judged on one device setting: a catalog card (``gpu``) or a size
@@ -63,6 +76,8 @@ class Session:
     (``alloc_conf``), cuDNN benchmark mode, and a measured device ``profile``.
 
     ``target="cpu"`` traces what the CPU itself does instead of emulating a CUDA GPU.
+    ``timeout`` limits, in seconds, each call into the user's code (a factory, a traced
+    step; ``None``: no limit).
     """
 
     def __init__(
@@ -81,6 +96,7 @@ class Session:
         framework: str = "pytorch",
         example_batch: Any = None,
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
     ) -> None:
         if target not in TARGETS:
             raise UserError(f"unknown target {target!r}; choose cuda or cpu")
@@ -102,10 +118,12 @@ class Session:
         )
         self._example_batch = example_batch
         self._loss_fn = loss_fn
+        self.timeout = check_timeout(timeout)
         self._bench: Workbench | None = None
 
     # -- the questions -------------------------------------------------------------------
 
+    @_limited
     def estimate(
         self,
         recipe: Recipe | None = None,
@@ -126,6 +144,7 @@ class Session:
             result = result.with_changes(notes=(*result.notes, TENSORFLOW_NOTE))
         return result
 
+    @_limited
     def max_batch(
         self, recipe: Recipe | None = None, *, search: str = "batch_size", **knobs: Any
     ) -> SearchResult:
@@ -135,9 +154,15 @@ class Session:
         if knob is None:
             raise UserError(f"unknown search {search!r}; choose batch-size or seq-len")
         recipe = _recipe(recipe, knobs)
+        if knob == "seq_len" and not self._build(recipe).sequence:
+            raise UserError(
+                f"--search seq-len: {self.name} has no sequence length to search "
+                "(its input is a fixed shape); search the batch size instead"
+            )
         start = recipe.seq_len if knob == "seq_len" else None
         return largest_fitting(self._workbench(), recipe, knob, start=start)
 
+    @_limited
     def plan(
         self,
         recipe: Recipe | None = None,
@@ -160,6 +185,7 @@ class Session:
         bench = self._workbench(DEFAULT_GPU if every_gpu else None)
         return answer_plan(bench, recipe, judge_every_gpu=every_gpu, host=host)
 
+    @_limited
     def measure(
         self,
         recipe: Recipe | None = None,
@@ -179,6 +205,11 @@ class Session:
                 "weights would be trained"
             )
         device = check_device(device, steps)
+        if snapshot is not None and device != "cuda":
+            raise UserError(
+                "--snapshot records CUDA's allocator history (torch.cuda.memory); "
+                "it has nothing to record with --device cpu"
+            )
         if device == "cuda":
             card = local_card()
             options = replace(
@@ -190,7 +221,9 @@ class Session:
             estimate = estimate_built(self._build(recipe), recipe, "cuda", options)
         else:
             estimate = estimate_built(self._build(recipe), recipe, "cpu")
-        measured = measure_built(self._build(recipe, device), recipe, device, steps, snapshot)
+        built = self._build(recipe, device)
+        with time_limit(f"the measured steps of {self.name}"):
+            measured = measure_built(built, recipe, device, steps, snapshot)
         return Comparison(
             estimate,
             measured,
@@ -209,8 +242,16 @@ class Session:
 
     def _build(self, recipe: Recipe, device: str = "meta") -> BuiltModel:
         if isinstance(self.model, nn.Module):
-            return module_source(self.model, recipe, self.name, self._example_batch, self._loss_fn)
-        return resolve(self.model, recipe, device)
+            built = module_source(self.model, recipe, self.name, self._example_batch, self._loss_fn)
+        else:
+            built = resolve(self.model, recipe, device)
+        if recipe.seq_len is not None and not built.sequence:
+            shape = "x".join(map(str, built.default_input_shape)) or "a fixed shape"
+            raise UserError(
+                f"--seq-len {recipe.seq_len}: {built.name} takes no sequence (one sample is "
+                f"{shape}); leave --seq-len out, or give --input-shape"
+            )
+        return built
 
     def _workbench(self, default_gpu: str | None = None) -> Workbench:
         """The trace cache on this session's card (or on ``default_gpu`` when none)."""

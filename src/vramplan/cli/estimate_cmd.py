@@ -38,6 +38,7 @@ from vramplan.cli.options import (
     SpOpt,
     StackOpt,
     TargetOpt,
+    TimeoutOpt,
     TpOpt,
     UnitsOpt,
     UsedCounterOpt,
@@ -45,7 +46,7 @@ from vramplan.cli.options import (
     ZeroOpt,
     recipe_from_options,
 )
-from vramplan.report.outputs import batch_curve_for, write_reports
+from vramplan.report.outputs import batch_curve_for, check_report_paths, write_reports
 from vramplan.report.render import check_units, emit
 
 
@@ -84,12 +85,14 @@ def estimate_command(
     sp: SpOpt = False,
     pp: PpOpt = 1,
     microbatches: MicrobatchesOpt = 1,
+    timeout: TimeoutOpt = 300.0,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
 ) -> int:
     """Trace one training (or inference) step with fake tensors and break down its peak."""
     check_units(units)
     recipe = recipe_from_options(locals())
+    check_report_paths(html, plot)
     layout = vramplan.parallel_layout(
         fsdp=fsdp,
         world_size=world_size,
@@ -106,6 +109,7 @@ def estimate_command(
     )
     session = vramplan.Session(
         model,
+        timeout=timeout,
         gpu=gpu,
         gpu_memory=gpu_memory,
         headroom=headroom,

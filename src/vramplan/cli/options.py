@@ -184,3 +184,10 @@ MicrobatchesOpt = Annotated[
         help="Micro-batches per step with --pp (the batch size is per micro-batch).",
     ),
 ]
+TimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        help="Seconds each call into your code (a factory, a traced step) may take.",
+    ),
+]

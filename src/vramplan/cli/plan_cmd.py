@@ -29,10 +29,11 @@ from vramplan.cli.options import (
     PlotOpt,
     PrecisionOpt,
     SeqLen,
+    TimeoutOpt,
     UnitsOpt,
     recipe_from_options,
 )
-from vramplan.report.outputs import batch_curve_for, write_reports
+from vramplan.report.outputs import batch_curve_for, check_report_paths, write_reports
 from vramplan.report.plan import plan_rows, render_max_batch, render_plan
 from vramplan.report.render import check_units, print_json
 
@@ -64,6 +65,7 @@ def max_batch_command(
     mode: ModeOpt = "train",
     headroom: HeadroomOpt = 0.10,
     alloc_conf: AllocConfOpt = None,
+    timeout: TimeoutOpt = 300.0,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
 ) -> int:
@@ -71,7 +73,12 @@ def max_batch_command(
     check_units(units)
     recipe = recipe_from_options(locals())
     session = vramplan.Session(
-        model, gpu=gpu, gpu_memory=gpu_memory, headroom=headroom, alloc_conf=alloc_conf
+        model,
+        timeout=timeout,
+        gpu=gpu,
+        gpu_memory=gpu_memory,
+        headroom=headroom,
+        alloc_conf=alloc_conf,
     )
     result = session.max_batch(recipe, search=search)
     if json_output:
@@ -101,6 +108,7 @@ def plan_command(
     offload_optimizer: OffloadOpt = False,
     html: HtmlOpt = None,
     plot: PlotOpt = None,
+    timeout: TimeoutOpt = 300.0,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
 ) -> int:
@@ -108,8 +116,14 @@ def plan_command(
     judge every catalog GPU."""
     check_units(units)
     recipe = recipe_from_options(locals())
+    check_report_paths(html, plot)
     session = vramplan.Session(
-        model, gpu=gpu, gpu_memory=gpu_memory, headroom=headroom, alloc_conf=alloc_conf
+        model,
+        timeout=timeout,
+        gpu=gpu,
+        gpu_memory=gpu_memory,
+        headroom=headroom,
+        alloc_conf=alloc_conf,
     )
     answer = session.plan(
         recipe,

@@ -180,9 +180,9 @@ def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
     if changes.get("checkpointing") != "full":
         return changes
     built = bench.built(recipe)  # one meta build tells the block count
-    if built.enable_checkpointing is None:
+    if built.enable_checkpointing is None or not built.blocks:
         return changes
-    total = built.enable_checkpointing(built.model, None)
+    total = built.blocks
     low, high = 0, total  # high fits (full); find the smallest count that fits
     while high - low > 1:
         middle = (low + high) // 2
@@ -217,9 +217,13 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
     """Every lever alone, ranked in the standard order, then the first plan that fits."""
     baseline = bench.estimate(recipe)
     base_flops = step_flops(bench, recipe) if recipe.is_training else None
+    candidates = _candidates(bench, recipe)
+    wants_blocks = any("checkpointing" in changes for _, changes, _ in candidates)
+    if wants_blocks and not bench.built(recipe).blocks:  # nothing repeats: no blocks
+        candidates = [c for c in candidates if "checkpointing" not in c[1]]
     levers = [
         _result(bench, recipe, name, changes, cost, baseline, base_flops)
-        for name, changes, cost in _candidates(bench, recipe)
+        for name, changes, cost in candidates
     ]
     if recipe.is_training and recipe.batch_size > 1:
         accumulation = _accumulate(bench, recipe, {})

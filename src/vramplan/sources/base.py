@@ -38,6 +38,10 @@ class BuiltModel:
     """Recompute the first N blocks (all when N is None) in backward; returns the number
     of checkpointable blocks."""
     notes: list[str] = field(default_factory=list)
+    blocks: int = 0
+    """Repeated blocks ``enable_checkpointing`` can recompute (0: none)."""
+    sequence: bool = False
+    """Whether the input has a token/sequence length that ``--seq-len`` sets."""
 
 
 def classification_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:

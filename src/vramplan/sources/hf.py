@@ -375,4 +375,6 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
         enable_checkpointing=enable_checkpointing
         if model.supports_gradient_checkpointing
         else None,
+        blocks=len(checkpoint_layers(model)) if model.supports_gradient_checkpointing else 0,
+        sequence=kind != "image-classification",
     )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch._subclasses import fake_tensor
 
-from vramplan.errors import UserError
+from vramplan.errors import UserError, cuda_hint
 
 _FAKE_LIMITS = tuple(
     getattr(fake_tensor, name)
@@ -34,10 +34,16 @@ def explain_failure(exc: BaseException, model_name: str) -> UserError:
     if isinstance(exc, _FAKE_LIMITS):
         op = getattr(exc, "func", None)
         return UserError(
-            f"model {model_name} cannot run under fake tensors: op {op} needs real data values "
-            "(e.g. .item(), nonzero or data-dependent shapes); make that path static or "
-            "estimate with vramplan.estimate_step() around a step that avoids it"
+            f"model {model_name} reads a tensor's value (op {op}: .item(), a Python `if` on a "
+            "tensor, nonzero or a data-dependent shape); vramplan traces on the CPU with fake "
+            "tensors, which have shapes but no values: keep that value a tensor (torch.where, "
+            "a mask) or move the data-dependent path out of forward"
         )
+    if isinstance(exc, SystemExit):
+        return UserError(f"model {model_name} called sys.exit({exc.code}) while tracing")
+    hint = cuda_hint(exc)
+    if hint:
+        return UserError(f"model {model_name} wants a GPU ({_first_line(exc)}){hint}")
     if isinstance(exc, (RuntimeError, ValueError, TypeError, IndexError, AssertionError)):
         return UserError(
             f"model {model_name} failed on the example batch: {_first_line(exc)} "
