@@ -36,7 +36,7 @@ from vramplan.result import Estimate
 from vramplan.session import Session
 from vramplan.sources import model_names
 from vramplan.sources.hf import full_config, load_config_dict
-from vramplan.sources.user_code import meta_copy
+from vramplan.sources.user_code import leading_dim, meta_copy
 from vramplan.units import parse_count
 
 SESSION_OPTIONS = (
@@ -69,7 +69,10 @@ def estimate(
 
     ``model`` is a source name (``torchvision:resnet50``, ``hf:gpt2``, ``file.py:factory``)
     or an ``nn.Module``; for a module, ``example_batch`` (tensors of any device, only their
-    shapes are used) and ``loss_fn(output, batch)`` describe the step. Options are the
+    shapes are used; it sets the batch size) and ``loss_fn(output, batch)`` describe the
+    step. A tuple batch is ``(inputs, targets, ...)``: ``forward`` gets ``inputs`` (a tuple
+    of inputs is spread over its arguments, a dict passed as keywords) and ``loss_fn`` the
+    whole batch. Options are the
     ``Session``'s (``gpu``, ``gpu_memory``, ``headroom``, ``alloc_conf``,
     ``cudnn_benchmark``, ``profile``, ``target``) and the ``Recipe``'s knobs
     (``batch_size``, ``seq_len``, ``input_shape``, ``precision``, ``optimizer``,
@@ -154,7 +157,7 @@ def estimate_step(
     if target not in ("cuda", "cpu"):
         raise UserError(f"unknown target {target!r}; choose cuda or cpu")
     recipe = Recipe(
-        batch_size=_leading_dim(batch),
+        batch_size=leading_dim(batch),
         precision=precision,
         optimizer="none",
         extras={
@@ -174,16 +177,6 @@ def estimate_step(
             target,
             device_options(gpu, gpu_memory, headroom),
         )
-
-
-def _leading_dim(batch: Any) -> int:
-    """The batch size: the first dimension of the batch's first tensor."""
-    from torch.utils._pytree import tree_flatten
-
-    for leaf in tree_flatten(batch)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return 1
 
 
 def parallel_layout(**flags: Any) -> ParallelLayout:

@@ -40,7 +40,7 @@ from vramplan.plan.search import SearchResult, largest_fitting
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.sources import BuiltModel, resolve
-from vramplan.sources.user_code import module_source
+from vramplan.sources.user_code import leading_dim, module_source
 from vramplan.units import parse_bytes
 
 TARGETS = ("cuda", "cpu")
@@ -134,7 +134,7 @@ class Session:
         """One step traced and judged: ``recipe`` or its knobs (``batch_size=8``,
         ``seq_len=512``, ``precision="amp-bf16"``, ...). With a ``layout``, per-rank figures:
         FSDP traced through FSDP2 on a fake process group, ZeRO/TP/PP by formula."""
-        recipe = _recipe(recipe, knobs)
+        recipe = self._recipe(recipe, knobs)
         layout = layout or ParallelLayout()
         if layout == ParallelLayout():
             result = self._single(recipe)
@@ -153,7 +153,7 @@ class Session:
         knob = SEARCHES.get(search)
         if knob is None:
             raise UserError(f"unknown search {search!r}; choose batch-size or seq-len")
-        recipe = _recipe(recipe, knobs)
+        recipe = self._recipe(recipe, knobs)
         if knob == "seq_len" and not self._build(recipe).sequence:
             raise UserError(
                 f"--search seq-len: {self.name} has no sequence length to search "
@@ -174,7 +174,7 @@ class Session:
     ) -> PlanAnswer:
         """The levers, each traced, the first plan that fits, host RAM, and the GPUs needed
         when nothing fits one card. Without a card, every catalog GPU is judged."""
-        recipe = _recipe(recipe, knobs)
+        recipe = self._recipe(recipe, knobs)
         limit = (
             parse_bytes(host_memory, "host memory", require_unit=True)
             if isinstance(host_memory, str)
@@ -198,7 +198,7 @@ class Session:
         """Run ``steps`` real steps (random weights, never downloaded) on ``device``
         (``cuda`` when present, else ``cpu``) and put the estimate for that device beside
         the measurement, with relative errors and a leak check."""
-        recipe = _recipe(recipe, knobs)
+        recipe = self._recipe(recipe, knobs)
         if isinstance(self.model, nn.Module):
             raise UserError(
                 "measure runs a model by its source name; an nn.Module's own "
@@ -239,6 +239,19 @@ class Session:
         )
 
     # -- the machinery -------------------------------------------------------------------
+
+    def _recipe(self, recipe: Recipe | None, knobs: dict[str, Any]) -> Recipe:
+        """The recipe; with an example batch, its batch size is the batch's."""
+        recipe = _recipe(recipe, knobs)
+        if self._example_batch is None:
+            return recipe
+        size = leading_dim(self._example_batch)
+        if "batch_size" in knobs and knobs["batch_size"] != size:
+            raise UserError(
+                f"batch_size={knobs['batch_size']} but example_batch holds {size} samples; "
+                "leave batch_size out (the example batch sets it)"
+            )
+        return recipe.with_changes(batch_size=size)
 
     def _build(self, recipe: Recipe, device: str = "meta") -> BuiltModel:
         if isinstance(self.model, nn.Module):

@@ -42,6 +42,8 @@ class BuiltModel:
     """Repeated blocks ``enable_checkpointing`` can recompute (0: none)."""
     sequence: bool = False
     """Whether the input has a token/sequence length that ``--seq-len`` sets."""
+    input_hint: str = "check --input-shape / --seq-len"
+    """What to check when the model fails on the example batch."""
 
 
 def classification_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:

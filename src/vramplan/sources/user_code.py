@@ -123,6 +123,38 @@ def generic_loss(output: Any) -> torch.Tensor:
     return tensor.float().mean()
 
 
+def leading_dim(batch: Any) -> int:
+    """The batch size: the first dimension of the batch's first tensor (1 when none)."""
+    from torch.utils._pytree import tree_flatten
+
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 1
+
+
+def model_inputs(batch: Any) -> Any:
+    """What ``forward`` gets from an example batch: a ``(inputs, targets)`` tuple or list
+    feeds its first element (the loss gets the whole batch); anything else is the input.
+
+    >>> model_inputs(("images", "labels"))
+    'images'
+    """
+    if isinstance(batch, (tuple, list)) and batch:
+        return batch[0]
+    return batch
+
+
+def call_with_inputs(module: nn.Module, inputs: Any) -> Any:
+    """``module(inputs)``; a tuple of inputs is spread over ``forward``'s arguments and a
+    dict passed as keyword arguments (``((ids, mask), labels)``, ``({"input_ids": ...},)``)."""
+    if isinstance(inputs, tuple):
+        return module(*inputs)
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    return module(inputs)
+
+
 def module_source(
     model: nn.Module,
     recipe: Recipe,
@@ -152,7 +184,7 @@ def module_source(
         return torch.randn(batch_size, *shape, dtype=dtype)
 
     def run(module: nn.Module, batch: Batch, training: bool):
-        output = module(*batch) if isinstance(batch, tuple) else module(batch)
+        output = call_with_inputs(module, model_inputs(batch))
         if not training:
             return output
         return loss_fn(output, batch) if loss_fn is not None else generic_loss(output)
@@ -167,6 +199,10 @@ def module_source(
         default_input_shape=shape or (),
         enable_checkpointing=checkpoint_repeated_blocks,
         blocks=len(true_repeated_blocks(model)),
+        input_hint="check --input-shape / --seq-len"
+        if example_batch is None
+        else "check example_batch: forward gets its first element, loss_fn(output, batch) "
+        "the whole batch",
         sequence=example_batch is None
         and not recipe.input_shape
         and isinstance(first, (nn.Embedding, nn.Conv1d, nn.LSTM, nn.GRU, nn.RNN)),

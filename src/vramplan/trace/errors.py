@@ -27,7 +27,9 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def explain_failure(exc: BaseException, model_name: str) -> UserError:
+def explain_failure(
+    exc: BaseException, model_name: str, hint: str = "check --input-shape / --seq-len"
+) -> UserError:
     """A ``UserError`` naming the op that cannot run without real data, or the error."""
     if isinstance(exc, UserError):
         return exc
@@ -46,8 +48,7 @@ def explain_failure(exc: BaseException, model_name: str) -> UserError:
         return UserError(f"model {model_name} wants a GPU ({_first_line(exc)}){hint}")
     if isinstance(exc, (RuntimeError, ValueError, TypeError, IndexError, AssertionError)):
         return UserError(
-            f"model {model_name} failed on the example batch: {_first_line(exc)} "
-            "(check --input-shape / --seq-len)"
+            f"model {model_name} failed on the example batch: {_first_line(exc)} ({hint})"
         )
     return UserError(
         f"model {model_name} failed while tracing: {type(exc).__name__}: {_first_line(exc)}"

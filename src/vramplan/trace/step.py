@@ -154,7 +154,11 @@ def _quiet_fake_tensor_logs() -> Iterator[None]:
 
 @contextlib.contextmanager
 def tracing(
-    model: nn.Module, policy: DevicePolicy, recipe: Recipe, name: str
+    model: nn.Module,
+    policy: DevicePolicy,
+    recipe: Recipe,
+    name: str,
+    hint: str = "check --input-shape / --seq-len",
 ) -> Iterator[TracingSession]:
     """Everything a traced run needs, entered in the right order; failures inside become
     one-line ``UserError``s naming the op or the error."""
@@ -173,7 +177,7 @@ def tracing(
         ):
             yield session
     except (Exception, SystemExit) as exc:  # the user's model failed: say which op and what
-        raise explain_failure(exc, name) from None
+        raise explain_failure(exc, name, hint) from None
 
 
 def check_checkpointing(built: BuiltModel, recipe: Recipe) -> None:
@@ -223,7 +227,7 @@ def trace_training(
         stack.enter_context(time_limit(f"the traced step of {built.name}"))
         if engine is not None:
             notes += stack.enter_context(engine.applied(model, recipe))
-        session = stack.enter_context(tracing(model, policy, recipe, built.name))
+        session = stack.enter_context(tracing(model, policy, recipe, built.name, built.input_hint))
         if engine is not None:
             stack.enter_context(engine.watching(model, session.recorder, session.notes))
         session.notes.extend(notes + built.notes)
@@ -277,7 +281,10 @@ def trace_step_function(
     autograd runs, optimizer inside any ``optimizer.step()``), gradients from the
     parameters' hooks and optimizer state from every optimizer that stepped.
     """
-    with time_limit(f"step function {name}"), tracing(model, policy, recipe, name) as session:
+    with (
+        time_limit(f"step function {name}"),
+        tracing(model, policy, recipe, name, "check the batch and the step function") as session,
+    ):
         params = session.prepare_model(model)
         fake_batch = fake_copy(batch)
         session.tag_inputs(fake_batch)
