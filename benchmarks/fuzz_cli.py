@@ -179,10 +179,16 @@ def _config_invalid(config: dict) -> bool:
     return config["n_embd"] % config.get("n_head", 12) != 0
 
 
-def fuzz_call(rng: random.Random, folder: Path) -> tuple[list[str], bool]:
+COMMANDS = ("estimate", "estimate", "estimate", "calc", "llm", "max-batch")
+
+
+def fuzz_call(
+    rng: random.Random, folder: Path, commands: tuple[str, ...] = COMMANDS
+) -> tuple[list[str], bool]:
     """Random arguments for one command: (args, surely invalid). ``folder`` holds the
-    fuzzed config files (and the tiny model files) the call may name."""
-    command = rng.choice(["estimate", "estimate", "estimate", "calc", "llm", "max-batch"])
+    fuzzed config files the call may name; ``commands`` those to draw from (``max-batch``
+    traces a handful of times per call)."""
+    command = rng.choice(commands)
     invalid = False
     if command == "calc":
         params = _pick(
