@@ -228,7 +228,7 @@ def llm(
     *,
     batch_size: int = 1,
     seq_len: int | None = None,
-    precision: str = "amp-bf16",
+    precision: str | None = None,
     optimizer: str = "adamw",
     mode: str = "train",
     attention: str = "flash",
@@ -238,7 +238,9 @@ def llm(
     lora_rank: int = 0,
     qlora: bool = False,
 ) -> Estimate:
-    """Transformer formulas from an ``hf:`` config, no model built (``vramplan llm``)."""
+    """Transformer formulas from an ``hf:`` config, no model built (``vramplan llm``).
+    ``precision`` defaults to ``amp-bf16``, how such models train (``estimate``'s default
+    is ``fp32``); the answer's notes say so when it was not given."""
     if attention not in ("flash", "eager"):
         raise UserError(f"unknown attention {attention!r}; choose flash or eager")
     if recompute not in ("none", "selective", "full"):
@@ -254,10 +256,12 @@ def llm(
         raise UserError(f"llm takes hf:NAME or hf:path/config.json, got {model!r}")
     label, config = load_config_dict(name)
     config = full_config(label, config)
+    default_precision = precision is None
+    precision = "amp-bf16" if default_precision else precision
     recipe = Recipe(
         batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer, mode=mode
     )
-    return transformer_estimate(
+    estimate = transformer_estimate(
         config,
         recipe,
         f"hf:{label}",
@@ -266,6 +270,10 @@ def llm(
         recompute=recompute,
         lora=LoRA(lora_rank, 4 if qlora else 16) if lora_rank else None,
     )
+    if default_precision:
+        note = "precision amp-bf16: llm's default (estimate's is fp32); --precision sets it"
+        estimate = estimate.with_changes(notes=(note, *estimate.notes))
+    return estimate
 
 
 def _method(method: str) -> str:

@@ -39,7 +39,11 @@ class LeverResult:
     changes: dict
     estimate: Estimate
     saved_bytes: int
+    """The drop in the device total (what nvidia-smi would show)."""
     cost: dict
+    saved_allocated_bytes: int = 0
+    """The drop in the allocated peak (``max_memory_allocated``): tensors can shrink while
+    the allocator's segments and the runtime keep the device total where it was."""
 
     @property
     def status(self) -> str:
@@ -56,6 +60,7 @@ class LeverResult:
             "flags": self.flags,
             "status": self.status,
             "saved_bytes": self.saved_bytes,
+            "saved_allocated_bytes": self.saved_allocated_bytes,
             "cost": self.cost,
             "peak": self.estimate.peak.to_json(),
         }
@@ -210,7 +215,8 @@ def _result(
     if "grad_accum" in changes:
         cost["micro_steps_per_optimizer_step"] = changes["grad_accum"]
     saved = baseline.peak.device_total_bytes - estimate.peak.device_total_bytes
-    return LeverResult(name, changes, estimate, saved, cost)
+    tensors = baseline.peak.allocated_bytes - estimate.peak.allocated_bytes
+    return LeverResult(name, changes, estimate, saved, cost, tensors)
 
 
 def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
