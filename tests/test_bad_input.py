@@ -578,3 +578,14 @@ def test_end_to_end_through_the_installed_command(inputs, args, expected):
     )
     check_refused(result.returncode, result.stdout, result.stderr, "--json" in args, expected)
     assert _digest(inputs) == before
+
+
+def test_python_callers_are_pointed_at_example_batch():
+    import torch
+    from torch import nn
+
+    import vramplan
+
+    model = nn.Sequential(nn.Linear(8, 4))
+    with pytest.raises(vramplan.UserError, match="check example_batch"):
+        vramplan.estimate(model, example_batch=(torch.randn(2, 5), torch.zeros(2)))

@@ -43,9 +43,9 @@ def explain_failure(
         )
     if isinstance(exc, SystemExit):
         return UserError(f"model {model_name} called sys.exit({exc.code}) while tracing")
-    hint = cuda_hint(exc)
-    if hint:
-        return UserError(f"model {model_name} wants a GPU ({_first_line(exc)}){hint}")
+    gpu_hint = cuda_hint(exc)
+    if gpu_hint:
+        return UserError(f"model {model_name} wants a GPU ({_first_line(exc)}){gpu_hint}")
     if isinstance(exc, (RuntimeError, ValueError, TypeError, IndexError, AssertionError)):
         return UserError(
             f"model {model_name} failed on the example batch: {_first_line(exc)} ({hint})"
