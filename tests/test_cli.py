@@ -91,7 +91,7 @@ def test_file_factory_and_terminal_output(run_cli, model_file):
         (["{model_file}:nope"], "has no attribute 'nope'"),
         (["{model_file}:not_callable"], "is not callable"),
         (["{model_file}:broken"], "factory {model_file}:broken raised RuntimeError"),
-        (["{model_file}:data_dependent"], "cannot run under fake tensors"),
+        (["{model_file}:data_dependent"], "shapes but no values"),
         (["{model_file}:make", "--batch-size", "0"], "batch size must be a positive integer"),
         (["{model_file}:make", "--batch-size", "-3"], "batch size must be a positive integer"),
         (["{model_file}:make", "--input-shape", "3xAx4"], "cannot read shape"),

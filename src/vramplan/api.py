@@ -22,6 +22,7 @@ from vramplan.device.profile import DeviceProfile, save_profile
 from vramplan.distributed.layout import ParallelLayout
 from vramplan.distributed.options import layout_from_flags
 from vramplan.errors import UserError
+from vramplan.limits import DEFAULT_TIMEOUT, user_code_timeout
 from vramplan.measurement.calibrate import calibrate_device
 from vramplan.measurement.compare import Comparison
 from vramplan.pipeline import estimate_user_step
@@ -30,7 +31,7 @@ from vramplan.planner.search import SearchResult
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.session import Session
-from vramplan.sources.user_code import meta_copy
+from vramplan.sources.user_code import leading_dim, meta_copy
 
 SESSION_OPTIONS = (
     "gpu",
@@ -45,6 +46,7 @@ SESSION_OPTIONS = (
     "framework",
     "example_batch",
     "loss_fn",
+    "timeout",
 )
 
 
@@ -61,7 +63,10 @@ def estimate(
 
     ``model`` is a source name (``torchvision:resnet50``, ``hf:gpt2``, ``file.py:factory``)
     or an ``nn.Module``; for a module, ``example_batch`` (tensors of any device, only their
-    shapes are used) and ``loss_fn(output, batch)`` describe the step. Options are the
+    shapes are used; it sets the batch size) and ``loss_fn(output, batch)`` describe the
+    step. A tuple batch is ``(inputs, targets, ...)``: ``forward`` gets ``inputs`` (a tuple
+    of inputs is spread over its arguments, a dict passed as keywords) and ``loss_fn`` the
+    whole batch. Options are the
     ``Session``'s (``gpu``, ``gpu_memory``, ``headroom``, ``alloc_conf``,
     ``cudnn_benchmark``, ``profile``, ``target``) and the ``Recipe``'s knobs
     (``batch_size``, ``seq_len``, ``input_shape``, ``precision``, ``optimizer``,
@@ -120,6 +125,7 @@ def estimate_step(
     gpu: str | None = None,
     gpu_memory: str | None = None,
     headroom: float = 0.10,
+    timeout: float | None = DEFAULT_TIMEOUT,
 ) -> Estimate:
     """Estimate the user's own training step: their loss, their loop, their optimizer.
 
@@ -145,7 +151,7 @@ def estimate_step(
     if target not in ("cuda", "cpu"):
         raise UserError(f"unknown target {target!r}; choose cuda or cpu")
     recipe = Recipe(
-        batch_size=_leading_dim(batch),
+        batch_size=leading_dim(batch),
         precision=precision,
         optimizer="none",
         extras={
@@ -153,27 +159,18 @@ def estimate_step(
             "optimizer": "user-defined" if optimizer is not None else "none",
         },
     )
-    return estimate_user_step(
-        step_fn,
-        meta_copy(model),
-        batch,
-        optimizer,
-        recipe,
-        iterations,
-        name or f"{type(model).__name__} step",
-        target,
-        device_options(gpu, gpu_memory, headroom),
-    )
-
-
-def _leading_dim(batch: Any) -> int:
-    """The batch size: the first dimension of the batch's first tensor."""
-    from torch.utils._pytree import tree_flatten
-
-    for leaf in tree_flatten(batch)[0]:
-        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
-            return int(leaf.shape[0])
-    return 1
+    with user_code_timeout(timeout):
+        return estimate_user_step(
+            step_fn,
+            meta_copy(model),
+            batch,
+            optimizer,
+            recipe,
+            iterations,
+            name or f"{type(model).__name__} step",
+            target,
+            device_options(gpu, gpu_memory, headroom),
+        )
 
 
 def parallel_layout(**flags: Any) -> ParallelLayout:

@@ -20,7 +20,7 @@ from vramplan.errors import UserError
 from vramplan.recipe import Recipe, parse_shape
 from vramplan.result import Estimate
 from vramplan.sources import model_names
-from vramplan.sources.configs import load_config_dict
+from vramplan.sources.configs import load_config_dict, validate_config
 from vramplan.units import parse_count
 
 
@@ -39,7 +39,7 @@ def calc(
     as numbers or with suffixes (``"20M"``, ``"1.3B"``)."""
     recipe = Recipe(batch_size=batch_size, precision=precision, optimizer=optimizer, mode=mode)
     return calculate(
-        parse_count(params, "parameter count"),
+        parse_count(params, "parameter count", minimum=1),
         batch_size,
         parse_count(activations_per_sample, "activations per sample"),
         recipe,
@@ -67,7 +67,7 @@ def llm(
     *,
     batch_size: int = 1,
     seq_len: int | None = None,
-    precision: str = "amp-bf16",
+    precision: str | None = None,
     optimizer: str = "adamw",
     mode: str = "train",
     attention: str = "flash",
@@ -77,21 +77,31 @@ def llm(
     lora_rank: int = 0,
     qlora: bool = False,
 ) -> Estimate:
-    """Transformer formulas from an ``hf:`` config, no model built (``vramplan llm``)."""
+    """Transformer formulas from an ``hf:`` config, no model built (``vramplan llm``).
+    ``precision`` defaults to ``amp-bf16``, how such models train (``estimate``'s default
+    is ``fp32``); the answer's notes say so when it was not given. The config passes the
+    same validation ``estimate`` applies before building."""
     if attention not in ("flash", "eager"):
         raise UserError(f"unknown attention {attention!r}; choose flash or eager")
     if recompute not in ("none", "selective", "full"):
         raise UserError(f"unknown recompute {recompute!r}; choose none, selective or full")
-    if lora_rank < 0 or (qlora and lora_rank == 0):
+    if isinstance(lora_rank, bool) or not isinstance(lora_rank, int) or lora_rank < 0:
+        raise UserError(
+            f"LoRA rank must be a positive integer (or 0 for full fine-tuning), got {lora_rank}"
+        )
+    if qlora and lora_rank == 0:
         raise UserError("--qlora needs --lora-rank R (a positive rank)")
     prefix, _, name = model.partition(":")
     if prefix != "hf" or not name:
         raise UserError(f"llm takes hf:NAME or hf:path/config.json, got {model!r}")
     label, config = load_config_dict(name)
+    validate_config(label, config)
+    default_precision = precision is None
+    precision = "amp-bf16" if default_precision else precision
     recipe = Recipe(
         batch_size=batch_size, seq_len=seq_len, precision=precision, optimizer=optimizer, mode=mode
     )
-    return transformer_estimate(
+    estimate = transformer_estimate(
         config,
         recipe,
         f"hf:{label}",
@@ -100,6 +110,10 @@ def llm(
         recompute=recompute,
         lora=LoRA(lora_rank, 4 if qlora else 16) if lora_rank else None,
     )
+    if default_precision:
+        note = "precision amp-bf16: llm's default (estimate's is fp32); --precision sets it"
+        estimate = estimate.with_changes(notes=(note, *estimate.notes))
+    return estimate
 
 
 def _method(method: str) -> str:

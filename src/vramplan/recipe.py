@@ -106,6 +106,11 @@ class Recipe:
         object.__setattr__(self, "checkpointing", _checkpointing(self.checkpointing))
         object.__setattr__(self, "mode", _choice(self.mode, MODES, "mode"))
         if self.mode == "infer":
+            if self.checkpointing != "none":
+                raise UserError(
+                    f"--checkpointing {self.checkpointing} recomputes activations in backward; "
+                    "--mode infer has no backward"
+                )
             object.__setattr__(self, "optimizer", "none")
         _check_finetune(self)
 
@@ -160,7 +165,10 @@ def parse_shape(text: str) -> tuple[int, ...]:
     >>> parse_shape("3x224x224")
     (3, 224, 224)
     """
-    parts = [p for p in str(text).replace(",", "x").replace("X", "x").split("x") if p.strip()]
+    parts = str(text).replace(",", "x").replace("X", "x").split("x")
+    if any(not p.strip() for p in parts) and str(text).strip():
+        raise UserError(f"cannot read shape {text!r}: a size is missing (use 3x224x224)")
+    parts = [p for p in parts if p.strip()]
     try:
         shape = tuple(int(p) for p in parts)
     except ValueError:

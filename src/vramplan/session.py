@@ -12,6 +12,7 @@ Traces are cached per recipe, so asking again (or planning after estimating) reu
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -27,6 +28,7 @@ from vramplan.distributed.facts import facts_of
 from vramplan.distributed.fsdp import engine_for, with_traced_layout
 from vramplan.distributed.layout import ParallelLayout, check_layout, per_rank
 from vramplan.errors import UserError
+from vramplan.limits import DEFAULT_TIMEOUT, check_timeout, time_limit, user_code_timeout
 from vramplan.measurement.compare import Comparison, errors_of
 from vramplan.measurement.leak import check_leak
 from vramplan.measurement.run import check_device, local_card, measure_built
@@ -38,7 +40,7 @@ from vramplan.planner.search import SearchResult, largest_fitting
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.sources import BuiltModel, resolve
-from vramplan.sources.user_code import module_source
+from vramplan.sources.user_code import leading_dim, module_source
 from vramplan.units import parse_bytes
 
 TARGETS = ("cuda", "cpu")
@@ -56,15 +58,27 @@ TENSORFLOW_NOTE = (
 )
 
 
+def _limited(method):
+    """Run a question with the session's time limit on user code (factories, steps)."""
+
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with user_code_timeout(self.timeout):
+            return method(self, *args, **kwargs)
+
+    return run
+
+
 class Session:
     """A model (a source name such as ``hf:gpt2``, or an ``nn.Module`` with its example
-    batch and loss) judged on one device setting: a catalog card (``gpu``) or a size
-    (``gpu_memory="24GiB"``), the headroom kept free, ``PYTORCH_CUDA_ALLOC_CONF``
-    (``alloc_conf``), cuDNN benchmark mode, and a measured device ``profile``.
+        batch and loss) judged on one device setting: a catalog card (``gpu``) or a size
+        (``gpu_memory="24GiB"``), the headroom kept free, ``PYTORCH_CUDA_ALLOC_CONF``
+        (``alloc_conf``), cuDNN benchmark mode, and a measured device ``profile``.
 
-    ``target="cpu"`` traces what the CPU itself does instead of emulating a CUDA GPU.
-    ``progress(event)`` is called as each trace starts and ends (a ``TraceEvent``: label,
-    index, seconds once done); ``Session.log`` keeps every trace's label and seconds.
+        ``target="cpu"`` traces what the CPU itself does instead of emulating a CUDA GPU.
+    from vramplan.limits import DEFAULT_TIMEOUT, check_timeout, time_limit, user_code_timeout
+        ``progress(event)`` is called as each trace starts and ends (a ``TraceEvent``: label,
+        index, seconds once done); ``Session.log`` keeps every trace's label and seconds.
     """
 
     def __init__(
@@ -85,6 +99,7 @@ class Session:
         loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
         full_trace: bool = False,
         progress: Callable[[TraceEvent], None] | None = None,
+        timeout: float | None = DEFAULT_TIMEOUT,
     ) -> None:
         if target not in TARGETS:
             raise UserError(f"unknown target {target!r}; choose cuda or cpu")
@@ -108,12 +123,14 @@ class Session:
         self._loss_fn = loss_fn
         self.full_trace = full_trace
         """Trace every block instead of repeating a run of identical ones."""
+        self.timeout = check_timeout(timeout)
         self._bench: Workbench | None = None
         self.log = TraceLog(progress)
         """Every trace this session ran, with its label and seconds."""
 
     # -- the questions -------------------------------------------------------------------
 
+    @_limited
     def estimate(
         self,
         recipe: Recipe | None = None,
@@ -124,7 +141,7 @@ class Session:
         """One step traced and judged: ``recipe`` or its knobs (``batch_size=8``,
         ``seq_len=512``, ``precision="amp-bf16"``, ...). With a ``layout``, per-rank figures:
         FSDP traced through FSDP2 on a fake process group, ZeRO/TP/PP by formula."""
-        recipe = _recipe(recipe, knobs)
+        recipe = self._recipe(recipe, knobs)
         layout = layout or ParallelLayout()
         if layout == ParallelLayout():
             result = self._single(recipe)
@@ -134,6 +151,7 @@ class Session:
             result = result.with_changes(notes=(*result.notes, TENSORFLOW_NOTE))
         return result
 
+    @_limited
     def max_batch(
         self, recipe: Recipe | None = None, *, search: str = "batch_size", **knobs: Any
     ) -> SearchResult:
@@ -142,10 +160,16 @@ class Session:
         knob = SEARCHES.get(search)
         if knob is None:
             raise UserError(f"unknown search {search!r}; choose batch-size or seq-len")
-        recipe = _recipe(recipe, knobs)
+        recipe = self._recipe(recipe, knobs)
+        if knob == "seq_len" and not self._build(recipe).sequence:
+            raise UserError(
+                f"--search seq-len: {self.name} has no sequence length to search "
+                "(its input is a fixed shape); search the batch size instead"
+            )
         start = recipe.seq_len if knob == "seq_len" else None
         return largest_fitting(self._workbench(), recipe, knob, start=start)
 
+    @_limited
     def plan(
         self,
         recipe: Recipe | None = None,
@@ -157,15 +181,18 @@ class Session:
     ) -> PlanAnswer:
         """The levers, each traced, the first plan that fits, host RAM, and the GPUs needed
         when nothing fits one card. Without a card, every catalog GPU is judged."""
-        recipe = _recipe(recipe, knobs)
+        recipe = self._recipe(recipe, knobs)
         limit = (
-            parse_bytes(host_memory, "host memory") if isinstance(host_memory, str) else host_memory
+            parse_bytes(host_memory, "host memory", require_unit=True)
+            if isinstance(host_memory, str)
+            else host_memory
         )
         host = HostOptions(workers=workers, limit_bytes=limit, offload_optimizer=offload_optimizer)
         every_gpu = self.device.gpu is None
         bench = self._workbench(DEFAULT_GPU if every_gpu else None)
         return answer_plan(bench, recipe, judge_every_gpu=every_gpu, host=host)
 
+    @_limited
     def measure(
         self,
         recipe: Recipe | None = None,
@@ -178,13 +205,18 @@ class Session:
         """Run ``steps`` real steps (random weights, never downloaded) on ``device``
         (``cuda`` when present, else ``cpu``) and put the estimate for that device beside
         the measurement, with relative errors and a leak check."""
-        recipe = _recipe(recipe, knobs)
+        recipe = self._recipe(recipe, knobs)
         if isinstance(self.model, nn.Module):
             raise UserError(
                 "measure runs a model by its source name; an nn.Module's own "
                 "weights would be trained"
             )
         device = check_device(device, steps)
+        if snapshot is not None and device != "cuda":
+            raise UserError(
+                "--snapshot records CUDA's allocator history (torch.cuda.memory); "
+                "it has nothing to record with --device cpu"
+            )
         if device == "cuda":
             card = local_card()
             options = replace(
@@ -200,7 +232,9 @@ class Session:
             estimate = self._timed(
                 recipe, lambda: estimate_built(self._build(recipe), recipe, "cpu")
             )
-        measured = measure_built(self._build(recipe, device), recipe, device, steps, snapshot)
+        built = self._build(recipe, device)
+        with time_limit(f"the measured steps of {self.name}"):
+            measured = measure_built(built, recipe, device, steps, snapshot)
         return Comparison(
             estimate,
             measured,
@@ -217,12 +251,31 @@ class Session:
 
     # -- the machinery -------------------------------------------------------------------
 
+    def _recipe(self, recipe: Recipe | None, knobs: dict[str, Any]) -> Recipe:
+        """The recipe; with an example batch, its batch size is the batch's."""
+        recipe = _recipe(recipe, knobs)
+        if self._example_batch is None:
+            return recipe
+        size = leading_dim(self._example_batch)
+        if "batch_size" in knobs and knobs["batch_size"] != size:
+            raise UserError(
+                f"batch_size={knobs['batch_size']} but example_batch holds {size} samples; "
+                "leave batch_size out (the example batch sets it)"
+            )
+        return recipe.with_changes(batch_size=size)
+
     def _build(self, recipe: Recipe, device: str = "meta") -> BuiltModel:
         if isinstance(self.model, nn.Module):
             built = module_source(self.model, recipe, self.name, self._example_batch, self._loss_fn)
         else:
             built = resolve(self.model, recipe, device)
         built.repeat_blocks = not self.full_trace
+        if recipe.seq_len is not None and not built.sequence:
+            shape = "x".join(map(str, built.default_input_shape)) or "a fixed shape"
+            raise UserError(
+                f"--seq-len {recipe.seq_len}: {built.name} takes no sequence (one sample is "
+                f"{shape}); leave --seq-len out, or give --input-shape"
+            )
         return built
 
     def _workbench(self, default_gpu: str | None = None) -> Workbench:

@@ -19,8 +19,8 @@ from vramplan.errors import UserError
 
 Units = Literal["binary", "decimal"]
 
-_BINARY = [("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)]
-_DECIMAL = [("GB", 1000**3), ("MB", 1000**2), ("kB", 1000)]
+_BINARY = [("PiB", 1024**5), ("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)]
+_DECIMAL = [("PB", 1000**5), ("TB", 1000**4), ("GB", 1000**3), ("MB", 1000**2), ("kB", 1000)]
 
 _COUNT_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
 _BYTE_SUFFIX = {
@@ -62,8 +62,14 @@ def unit_name(units: Units) -> str:
     )
 
 
-def parse_count(text: str | int | float, what: str = "count") -> int:
-    """Parse '20M', '1.3B', '2e7' or 7000 into an integer count."""
+def parse_count(text: str | int | float, what: str = "count", minimum: int = 0) -> int:
+    """Parse '20M', '1.3B', '2e7' or 7000 into an integer count; a fraction of one
+    (``0.5``) is no count, and a count under ``minimum`` is refused.
+
+    >>> parse_count("0.5", "parameter count")
+    Traceback (most recent call last):
+    vramplan.errors.UserError: parameter count must be a whole number, got '0.5'
+    """
     if isinstance(text, (int, float)):
         value = float(text)
     else:
@@ -74,16 +80,33 @@ def parse_count(text: str | int | float, what: str = "count") -> int:
         value = float(match.group(1)) * _COUNT_SUFFIX[suffix]
     if value < 0:
         raise UserError(f"{what} must not be negative, got {text!r}")
+    if value != value or value == float("inf"):
+        raise UserError(f"cannot read {what} {text!r}: use a number such as 20M, 1.3B or 2e7")
+    if abs(value - round(value)) > 1e-6 * max(1.0, value):
+        raise UserError(f"{what} must be a whole number, got {text!r}")
+    if round(value) < minimum:
+        raise UserError(f"{what} must be at least {minimum:,}, got {text!r}")
     return int(round(value))
 
 
-def parse_bytes(text: str, what: str = "size") -> int:
-    """Parse '24GiB', '80GB', '512MiB' or a plain byte count; bare K/M/G are binary."""
+def parse_bytes(text: str, what: str = "size", require_unit: bool = False) -> int:
+    """Parse '24GiB', '80GB', '512MiB' or a plain byte count; bare K/M/G are binary.
+    With ``require_unit`` a bare number is refused (``24`` is more likely 24 GiB than
+    24 bytes)::
+
+        >>> parse_bytes("24", "GPU memory", require_unit=True)
+        Traceback (most recent call last):
+        vramplan.errors.UserError: GPU memory '24' has no unit: did you mean 24GiB?
+    """
     match = _NUMBER.match(str(text))
     suffix = match.group(2).upper() if match else None
     if not match or suffix not in _BYTE_SUFFIX:
         raise UserError(f"cannot read {what} {text!r}: use a size such as 24GiB, 80GB or 512MiB")
+    if require_unit and not suffix:
+        raise UserError(f"{what} {text!r} has no unit: did you mean {match.group(1)}GiB?")
     value = float(match.group(1)) * _BYTE_SUFFIX[suffix]
     if value <= 0:
         raise UserError(f"{what} must be positive, got {text!r}")
+    if value == float("inf"):
+        raise UserError(f"{what} {text!r} is not a size")
     return int(round(value))

@@ -74,7 +74,12 @@ def load_spec(path: str) -> dict:
     file = Path(path)
     if not file.is_file():
         raise UserError(f"layer spec not found: {path}")
-    text = file.read_text()
+    if file.suffix.lower() not in (".yaml", ".yml", ".json"):
+        raise UserError(f"layer spec {path}: give a .yaml, .yml or .json file")
+    try:
+        text = file.read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read layer spec {path}: {exc}") from None
     try:
         if file.suffix == ".json":
             spec = json.loads(text)
@@ -98,13 +103,19 @@ def _settings(entry) -> tuple[str, dict]:
         return entry.lower(), {}
     if isinstance(entry, dict) and len(entry) == 1:
         kind, settings = next(iter(entry.items()))
-        return str(kind).lower(), dict(settings or {})
+        if settings is None or isinstance(settings, dict):
+            return str(kind).lower(), dict(settings or {})
     raise UserError(f"cannot read layer {entry!r}: use a type name or {{type: {{settings}}}}")
 
 
 def _int(settings: dict, key: str, default: int | None, kind: str) -> int:
     value = settings.get(key, default)
-    if not isinstance(value, int) or value < 0 or (value == 0 and key in ("out", "kernel")):
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < 0
+        or (value == 0 and key in ("out", "kernel"))
+    ):
         raise UserError(f"{kind} layer needs a positive integer '{key}', got {value!r}")
     return value
 
@@ -178,7 +189,7 @@ def walk(spec: dict, recipe: Recipe) -> list[LayerRow]:
     if (
         not isinstance(shape, list)
         or not shape
-        or not all(isinstance(d, int) and d > 0 for d in shape)
+        or not all(isinstance(d, int) and not isinstance(d, bool) and d > 0 for d in shape)
     ):
         raise UserError(f"spec input must be a list of positive integers, got {shape!r}")
     shape = tuple(shape)

@@ -75,7 +75,18 @@ class TransformerShape:
 
 
 def shape_from_config(config: dict) -> TransformerShape:
-    """A TransformerShape from a Hugging Face config dict (decoder-only models)."""
+    """A TransformerShape from a Hugging Face config dict (decoder-only models); a
+    UserError naming the first field the formulas need and the config lacks."""
+    try:
+        return _shape_from_config(config)
+    except KeyError as exc:
+        raise UserError(
+            f"config {config.get('model_type', '')!r} lacks {exc.args[0]}, which the "
+            "transformer formulas need"
+        ) from None
+
+
+def _shape_from_config(config: dict) -> TransformerShape:
     kind = config.get("model_type", "")
     if kind not in DECODERS:
         raise UserError(
@@ -108,8 +119,8 @@ def shape_from_config(config: dict) -> TransformerShape:
         vocab=config["vocab_size"],
         tied_embeddings=config.get("tie_word_embeddings", False),
         qkv_bias=kind.startswith("qwen2") or config.get("attention_bias", False),
-        experts=config.get("num_local_experts", 1),
-        experts_per_token=config.get("num_experts_per_tok", 1),
+        experts=config.get("num_local_experts") or 1,
+        experts_per_token=config.get("num_experts_per_tok") or 1,
     )
 
 

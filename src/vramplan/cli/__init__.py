@@ -8,7 +8,9 @@ Errors a user can cause print one line on stderr and exit with code 2::
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 
 import typer
 
@@ -21,6 +23,7 @@ from vramplan import UserError
 from vramplan.cli.app import app
 
 EXIT_USER_ERROR = 2
+EXIT_INTERNAL_ERROR = 1
 
 
 def _register_commands() -> None:
@@ -42,7 +45,22 @@ def fail(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``vramplan`` script."""
+    """Entry point of the ``vramplan`` script. Warnings from the libraries underneath
+    (torch, transformers) are held back: after a refusal only the one error line is
+    printed, after an answer each distinct warning is printed once."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("default")
+        code = _run(argv)
+    seen = set()
+    for warning in caught:
+        text = " ".join(str(warning.message).split())
+        if text not in seen:
+            seen.add(text)
+            print(f"vramplan: warning: {text}", file=sys.stderr)
+    return code
+
+
+def _run(argv: list[str] | None) -> int:
     _register_commands()
     try:
         result = app(args=argv, standalone_mode=False, prog_name="vramplan")
@@ -56,6 +74,16 @@ def main(argv: list[str] | None = None) -> int:
         fail(exc.format_message().replace("\n", " "))
     except typer.Exit as exc:
         return exc.exit_code
+    except Exception as exc:  # a bug in vramplan, not the user's input: say so in one line
+        if os.environ.get("VRAMPLAN_DEBUG"):
+            raise
+        reason = " ".join(str(exc).split())[:300]
+        print(
+            f"vramplan: internal error: {type(exc).__name__}: {reason} (a bug in vramplan: "
+            "please report it with the command; VRAMPLAN_DEBUG=1 shows the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_INTERNAL_ERROR
     return result if isinstance(result, int) else 0
 
 

@@ -94,7 +94,12 @@ def llm_command(
     model: Annotated[str, typer.Argument(help="hf:NAME or hf:path/config.json (decoder-only).")],
     batch_size: BatchSize = 1,
     seq_len: SeqLen = None,
-    precision: PrecisionOpt = "amp-bf16",
+    precision: Annotated[
+        str | None,
+        typer.Option(
+            "--precision", "-p", help="As for estimate; default amp-bf16 (estimate's is fp32)."
+        ),
+    ] = None,
     optimizer: OptimizerOpt = "adamw",
     mode: ModeOpt = "train",
     attention: Annotated[

@@ -51,6 +51,7 @@ from vramplan.cli.options import (
     SpOpt,
     StackOpt,
     TargetOpt,
+    TimeoutOpt,
     TpOpt,
     TrainOnlyOpt,
     UnitsOpt,
@@ -59,7 +60,12 @@ from vramplan.cli.options import (
     ZeroOpt,
     recipe_from_options,
 )
-from vramplan.report.outputs import batch_curve_for, curve_sizes, write_reports
+from vramplan.report.outputs import (
+    batch_curve_for,
+    check_report_paths,
+    curve_sizes,
+    write_reports,
+)
 from vramplan.report.progress import progress_wanted, trace_progress
 from vramplan.report.render import check_units, emit
 
@@ -108,6 +114,7 @@ def estimate_command(
     sp: SpOpt = False,
     pp: PpOpt = 1,
     microbatches: MicrobatchesOpt = 1,
+    timeout: TimeoutOpt = 300.0,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
     full_trace: Annotated[
@@ -123,6 +130,7 @@ def estimate_command(
     """Trace one training (or inference) step with fake tensors and break down its peak."""
     check_units(units)
     recipe = recipe_from_options(locals())
+    check_report_paths(html, plot)
     layout = vramplan.parallel_layout(
         fsdp=fsdp,
         world_size=world_size,
@@ -141,6 +149,7 @@ def estimate_command(
     with trace_progress(progress_wanted(json_output, quiet), expected=expected) as progress:
         session = vramplan.Session(
             model,
+            timeout=timeout,
             gpu=gpu,
             gpu_memory=gpu_memory,
             headroom=headroom,

@@ -25,11 +25,12 @@ from vramplan.cli.options import (
     PlotOpt,
     PrecisionOpt,
     SeqLen,
+    TimeoutOpt,
     UnitsOpt,
     recipe_from_options,
 )
 from vramplan.report.measure import comparison_rows, render_comparison
-from vramplan.report.outputs import write_reports
+from vramplan.report.outputs import check_report_paths, write_reports
 from vramplan.report.render import check_units, print_json
 
 StepsOpt = Annotated[
@@ -63,13 +64,15 @@ def measure_command(
     alloc_conf: AllocConfOpt = None,
     html: HtmlOpt = None,
     plot: PlotOpt = None,
+    timeout: TimeoutOpt = 300.0,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
 ) -> int:
     """Run N real steps, measure memory, and print estimate vs measurement and a leak check."""
     check_units(units)
     recipe = recipe_from_options(locals())
-    session = vramplan.Session(model, alloc_conf=alloc_conf)
+    check_report_paths(html, plot)
+    session = vramplan.Session(model, alloc_conf=alloc_conf, timeout=timeout)
     result = session.measure(recipe, device=device, steps=steps, snapshot=snapshot)
     if html or plot:
         write_reports(

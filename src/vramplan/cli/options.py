@@ -274,3 +274,12 @@ def finetune_from_options(options: dict) -> dict:
     if "lora" in knobs:
         knobs["lora_rank"] = knobs.pop("lora")
     return knobs
+
+
+TimeoutOpt = Annotated[
+    float,
+    typer.Option(
+        "--timeout",
+        help="Seconds each call into your code (a factory, a traced step) may take.",
+    ),
+]

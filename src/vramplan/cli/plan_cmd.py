@@ -41,12 +41,13 @@ from vramplan.cli.options import (
     QuietOpt,
     SeqLen,
     StackOpt,
+    TimeoutOpt,
     TrainOnlyOpt,
     UnitsOpt,
     UsedCounterOpt,
     recipe_from_options,
 )
-from vramplan.report.outputs import batch_curve_for, write_reports
+from vramplan.report.outputs import batch_curve_for, check_report_paths, write_reports
 from vramplan.report.plan import plan_rows, render_max_batch, render_plan
 from vramplan.report.progress import progress_wanted, trace_progress
 from vramplan.report.render import check_units, print_json
@@ -92,6 +93,7 @@ def max_batch_command(
     profile: ProfileOpt = None,
     stack: StackOpt = None,
     used_counter: UsedCounterOpt = "nvml-v1",
+    timeout: TimeoutOpt = 300.0,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
     quiet: QuietOpt = False,
@@ -102,6 +104,7 @@ def max_batch_command(
     with trace_progress(progress_wanted(json_output, quiet)) as progress:
         session = vramplan.Session(
             model,
+            timeout=timeout,
             gpu=gpu,
             gpu_memory=gpu_memory,
             headroom=headroom,
@@ -153,6 +156,7 @@ def plan_command(
     offload_optimizer: OffloadOpt = False,
     html: HtmlOpt = None,
     plot: PlotOpt = None,
+    timeout: TimeoutOpt = 300.0,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
     quiet: QuietOpt = False,
@@ -161,9 +165,11 @@ def plan_command(
     judge every catalog GPU."""
     check_units(units)
     recipe = recipe_from_options(locals())
+    check_report_paths(html, plot)
     with trace_progress(progress_wanted(json_output, quiet)) as progress:
         session = vramplan.Session(
             model,
+            timeout=timeout,
             gpu=gpu,
             gpu_memory=gpu_memory,
             headroom=headroom,

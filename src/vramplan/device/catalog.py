@@ -121,7 +121,16 @@ def lookup_gpu(name: str) -> GpuSpec:
     raise UserError(f"unknown GPU {name!r}{hint} (or give --gpu-memory 24GiB)")
 
 
+MIN_GPU_BYTES = 256 * 1024**2
+MAX_GPU_BYTES = 1024**5
+
+
 def gpu_from_memory(size: str, arch: str = "sm80") -> GpuSpec:
     """An unnamed card with the given memory (``--gpu-memory 24GiB``)."""
-    total = parse_bytes(size, "GPU memory")
+    total = parse_bytes(size, "GPU memory", require_unit=True)
+    if not MIN_GPU_BYTES <= total <= MAX_GPU_BYTES:
+        raise UserError(
+            f"GPU memory {size!r} is {total:,} bytes; give a card's size between 256MiB "
+            "and 1PiB, such as 24GiB"
+        )
     return GpuSpec(name=f"custom ({size})", total_bytes=total, arch=arch)

@@ -74,8 +74,12 @@ def device_options(
 ) -> DeviceOptions:
     """Validated device options from names (``gpu="a100"`` or ``gpu_memory="24GiB"``); a
     profile path, or the saved profile of the named card, supplies measured runtime figures."""
-    if gpu and gpu_memory:
+    if gpu is not None and gpu_memory is not None:
         raise UserError("give either --gpu or --gpu-memory, not both")
+    if gpu is not None and not str(gpu).strip():
+        raise UserError("--gpu is empty: name a card (see `vramplan gpus`) or leave the flag out")
+    if gpu_memory is not None and not str(gpu_memory).strip():
+        raise UserError("--gpu-memory is empty: give a size such as 24GiB or leave the flag out")
     card = lookup_gpu(gpu) if gpu else gpu_from_memory(gpu_memory) if gpu_memory else None
     calibrated = load_profile(profile) if profile else profile_for(card.name) if gpu else None
     software = parse_stack(stack) if stack else default_stack()

@@ -275,6 +275,10 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
     summary = summarize_trace(rounded, trace.module_kinds)
     stats = unlimited.stats
     job_total = stats.peak_reserved + outside.total
+    # The reserved figure and the device total come from the same replay: the unlimited
+    # one, or (when the card forces the allocator to free its cache and retry) the
+    # capacity-limited one, so reserved never exceeds the device total.
+    reserved, fragmentation = stats.peak_reserved, unlimited.fragmentation
 
     oom = False
     retries = 0
@@ -284,7 +288,9 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
         retries = limited.stats.num_alloc_retries
         if not oom:
             job_total = limited.stats.peak_reserved + outside.total
+            reserved, fragmentation = limited.stats.peak_reserved, limited.fragmentation
     reserved_range, total_range, widths = _range(runs, counted_reserve)
+    reserved_range = [min(reserved_range[0], reserved), max(reserved_range[1], reserved)]
     total_range = [
         min(total_range[0], job_total + counted_reserve),
         max(total_range[1], job_total + counted_reserve),
@@ -342,9 +348,9 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
         )
     peak = replace(
         summary.peak,
-        reserved_bytes=stats.peak_reserved,
+        reserved_bytes=reserved,
         device_total_bytes=device_total,
-        fragmentation_bytes=unlimited.fragmentation,
+        fragmentation_bytes=fragmentation,
         reserved_range_bytes=(reserved_range[0], reserved_range[1]),
         device_total_range_bytes=(total_range[0], total_range[1]),
     )

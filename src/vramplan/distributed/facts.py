@@ -11,9 +11,11 @@
 
 from __future__ import annotations
 
+from torch import nn
+
 from vramplan.distributed.layout import ModelFacts
 from vramplan.sources.base import BuiltModel
-from vramplan.sources.blocks import repeated_blocks
+from vramplan.sources.blocks import repeated_blocks, true_repeated_blocks
 from vramplan.trace.materialize import unique_parameters
 
 
@@ -25,6 +27,10 @@ def facts_of(built: BuiltModel) -> ModelFacts:
     heads = None
     if config is not None:
         heads = getattr(config, "num_attention_heads", None) or getattr(config, "n_head", None)
+    if heads is None:  # the user's own transformer: torch's attention modules
+        heads = next(
+            (m.num_heads for m in model.modules() if isinstance(m, nn.MultiheadAttention)), None
+        )
     largest = max((sum(p.numel() for p in block.parameters()) for block in blocks), default=0)
     params = unique_parameters(model)
     in_blocks = {id(p) for block in blocks for p in block.parameters()}
@@ -33,5 +39,6 @@ def facts_of(built: BuiltModel) -> ModelFacts:
         largest_block_parameters=largest,
         layers=len(blocks),
         heads=heads,
+        repeated=bool(true_repeated_blocks(model)) or bool(built.blocks),
         root_parameters=sum(p.numel() for p in params if id(p) not in in_blocks),
     )

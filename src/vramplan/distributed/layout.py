@@ -38,6 +38,8 @@ class ModelFacts:
     largest_block_parameters: int
     layers: int
     heads: int | None = None
+    repeated: bool = True
+    """Whether the blocks repeat one class (a transformer's layers), not just children."""
     root_parameters: int = 0
     """Parameters outside the repeated blocks (embeddings, head): FSDP2's root group,
     which stays gathered from forward to backward."""
@@ -84,6 +86,16 @@ class ParallelLayout:
 
 def check_layout(layout: ParallelLayout, facts: ModelFacts) -> None:
     """Reject layouts the model cannot take (one clear line each)."""
+    if layout.tensor_parallel > 1 and not facts.heads:
+        raise UserError(
+            f"--tp {layout.tensor_parallel}: tensor parallelism splits attention heads "
+            "(Megatron); this model has none"
+        )
+    if layout.pipeline_parallel > 1 and not facts.repeated:
+        raise UserError(
+            f"--pp {layout.pipeline_parallel}: pipeline stages split repeated blocks; "
+            "this model has none"
+        )
     if facts.heads and facts.heads % layout.tensor_parallel:
         raise UserError(
             f"tensor parallel degree {layout.tensor_parallel} does not divide the "

@@ -50,7 +50,7 @@ def layout_from_flags(
         elif mode == "grad-op":
             sharding = "fsdp-grad-op"
     elif zero is not None:
-        sharding, degree = f"zero{zero}", dp or 1
+        sharding, degree = f"zero{zero}", 1 if dp is None else dp
     elif dp is not None:
         degree = dp
     if sp and tp == 1:

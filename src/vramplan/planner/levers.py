@@ -46,7 +46,11 @@ class LeverResult:
     changes: dict
     estimate: Estimate
     saved_bytes: int
+    """The drop in the device total (what nvidia-smi would show)."""
     cost: dict
+    saved_allocated_bytes: int = 0
+    """The drop in the allocated peak (``max_memory_allocated``): tensors can shrink while
+    the allocator's segments and the runtime keep the device total where it was."""
 
     @property
     def status(self) -> str:
@@ -65,6 +69,7 @@ class LeverResult:
             "flags": self.flags,
             "status": self.status,
             "saved_bytes": self.saved_bytes,
+            "saved_allocated_bytes": self.saved_allocated_bytes,
             "cost": self.cost,
             "peak": self.estimate.peak.to_json(),
         }
@@ -225,9 +230,9 @@ def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
     if changes.get("checkpointing") != "full":
         return changes
     built = bench.built(recipe)  # one meta build tells the block count
-    if built.enable_checkpointing is None:
+    if built.enable_checkpointing is None or not built.blocks:
         return changes
-    total = built.enable_checkpointing(built.model, None)
+    total = built.blocks
     low, high = 0, total  # high fits (full); find the smallest count that fits
     while high - low > 1:
         middle = (low + high) // 2
@@ -257,16 +262,21 @@ def _result(
     if "lora_rank" in changes:
         cost["trainable_parameters"] = estimate.model.trainable_parameters
     saved = baseline.peak.device_total_bytes - estimate.peak.device_total_bytes
-    return LeverResult(name, changes, estimate, saved, cost)
+    tensors = baseline.peak.allocated_bytes - estimate.peak.allocated_bytes
+    return LeverResult(name, changes, estimate, saved, cost, tensors)
 
 
 def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
     """Every lever alone, ranked in the standard order, then the first plan that fits."""
     baseline = bench.estimate(recipe)
     base_flops = step_flops(bench, recipe) if recipe.is_training else None
+    candidates = _candidates(bench, recipe)
+    wants_blocks = any("checkpointing" in changes for _, changes, _ in candidates)
+    if wants_blocks and not bench.built(recipe).blocks:  # nothing repeats: no blocks
+        candidates = [c for c in candidates if "checkpointing" not in c[1]]
     levers = [
         _result(bench, recipe, name, changes, cost, baseline, base_flops)
-        for name, changes, cost in _candidates(bench, recipe)
+        for name, changes, cost in candidates
     ]
     if recipe.is_training and recipe.batch_size > 1:
         accumulation = _accumulate(bench, recipe, {})

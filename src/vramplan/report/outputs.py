@@ -5,6 +5,7 @@ write_reports(estimate, html="report.html", plot=None, units="binary")
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 from pathlib import Path
@@ -35,6 +36,30 @@ def batch_curve_for(estimate: Estimate, estimate_at) -> BatchCurve:
     return BatchCurve(tuple(points), capacities)
 
 
+_INPUT_SUFFIXES = (".py", ".json", ".yaml", ".yml", ".toml", ".pt", ".pth", ".safetensors")
+
+
+def check_report_paths(html: str | None = None, plot: str | None = None) -> None:
+    """Refuse, before any tracing, a report path that cannot be written or that looks like
+    one of the user's inputs (a report never replaces a model file or a config)."""
+    for flag, path in (("--html", html), ("--plot", plot)):
+        if path is None:
+            continue
+        target = Path(path).expanduser()
+        if not str(path).strip() or target.is_dir():
+            raise UserError(f"{flag} needs a file path, got {path!r}")
+        if target.suffix.lower() in _INPUT_SUFFIXES:
+            raise UserError(
+                f"{flag} {path}: a report never replaces a {target.suffix} file; "
+                f"give a .{'html' if flag == '--html' else 'png'} path"
+            )
+        parent = target.parent
+        if not parent.is_dir():
+            raise UserError(f"cannot write {path}: folder {parent} does not exist")
+        if not os.access(parent, os.W_OK) or (target.exists() and not os.access(target, os.W_OK)):
+            raise UserError(f"cannot write {path}: permission denied")
+
+
 def write_reports(
     estimate: Estimate,
     *,
@@ -60,7 +85,9 @@ def write_reports(
             Path(html).write_text(text, encoding="utf-8")
         except OSError as exc:
             raise UserError(f"cannot write {html}: {exc.strerror}") from None
+        print(f"wrote {html}", file=sys.stderr)
     if plot:
         from vramplan.report.plot import write_plot
 
         write_plot(estimate, plot, units)
+        print(f"wrote {plot}", file=sys.stderr)

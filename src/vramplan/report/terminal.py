@@ -26,6 +26,39 @@ _LABELS = {
 }
 
 
+def group_repeated(usages) -> list[tuple[str, str, int, int, int]]:
+    """Rows for the top-modules table with repeated blocks folded into one: the first
+    numbered part of a name becomes ``*`` (``transformer.h.3.attn`` → ``transformer.h.*.attn``)
+    and modules of one kind under one pattern share a row. Each row is (name, kind, count,
+    total bytes, largest bytes), largest total first.
+
+    >>> from vramplan.result import ModuleUsage
+    >>> group_repeated([ModuleUsage(f"h.{i}", "Block", 8) for i in range(12)])
+    [('h.*', 'Block', 12, 96, 8)]
+    """
+    groups: dict[tuple[str, str], list[int]] = {}
+    for usage in usages:
+        parts = usage.name.split(".")
+        index = next((i for i, p in enumerate(parts) if p.isdigit()), None)
+        pattern = (
+            usage.name if index is None else ".".join(parts[:index] + ["*"] + parts[index + 1 :])
+        )
+        groups.setdefault((pattern, usage.kind), []).append(usage.activation_bytes)
+    rows = []
+    for (pattern, kind), sizes in groups.items():
+        if len(sizes) == 1:
+            name = next(u.name for u in usages if u.kind == kind and _matches(u.name, pattern))
+            rows.append((name, kind, 1, sizes[0], sizes[0]))
+        else:
+            rows.append((pattern, kind, len(sizes), sum(sizes), max(sizes)))
+    return sorted(rows, key=lambda row: -row[3])
+
+
+def _matches(name: str, pattern: str) -> bool:
+    a, b = name.split("."), pattern.split(".")
+    return len(a) == len(b) and all(x == y or y == "*" for x, y in zip(a, b, strict=True))
+
+
 def _share(part: int, whole: int) -> str:
     return f"{100 * part / whole:5.1f}%" if whole else "  -  "
 
@@ -106,8 +139,12 @@ def render_estimate(est: Estimate, units: Units = "binary", console: Console | N
         modules.add_column("module")
         modules.add_column("type")
         modules.add_column("activations", justify="right")
-        for usage in est.top_modules:
-            modules.add_row(usage.name, usage.kind, fmt(usage.activation_bytes))
+        for name, kind, count, total, largest in group_repeated(est.top_modules):
+            if count == 1:
+                modules.add_row(name, kind, fmt(total))
+            else:
+                each = f"{fmt(largest)} each" if largest * count == total else f"{fmt(total)}"
+                modules.add_row(f"{name} ×{count}", kind, each)
         console.print(modules)
     if est.verdict is not None:
         v = est.verdict

@@ -41,6 +41,12 @@ class BuiltModel:
     repeat_blocks: bool = True
     """Trace a run of identical blocks once and repeat it (``trace/repeat.py``) where that
     is exact; False traces every block (``--full-trace``)."""
+    blocks: int = 0
+    """Repeated blocks ``enable_checkpointing`` can recompute (0: none)."""
+    sequence: bool = False
+    """Whether the input has a token/sequence length that ``--seq-len`` sets."""
+    input_hint: str = "check --input-shape / --seq-len"
+    """What to check when the model fails on the example batch."""
 
 
 def classification_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:

@@ -40,19 +40,24 @@ def _checkpointed(forward):
     return run
 
 
+def true_repeated_blocks(model: nn.Module) -> list[nn.Module]:
+    """The members of containers that repeat one block class, outermost first; empty
+    when nothing repeats."""
+    blocks = [child for container in _repeated_block_containers(model) for child in container]
+    nested = {id(m) for b in blocks for m in b.modules() if m is not b}
+    return [b for b in blocks if id(b) not in nested]
+
+
 def repeated_blocks(model: nn.Module) -> list[nn.Module]:
     """The model's repeated blocks in forward order (its direct children when nothing
     repeats)."""
-    blocks = [child for container in _repeated_block_containers(model) for child in container]
-    nested = {id(m) for b in blocks for m in b.modules() if m is not b}
-    blocks = [b for b in blocks if id(b) not in nested]
-    return blocks or list(model.children())
+    return true_repeated_blocks(model) or list(model.children())
 
 
 def checkpoint_repeated_blocks(model: nn.Module, limit: int | None = None) -> int:
     """Recompute the repeated blocks (the first ``limit`` of them, or all) in backward;
-    return how many blocks were wrapped."""
-    blocks = repeated_blocks(model)[:limit]
-    for block in blocks:
+    return how many repeated blocks the model has."""
+    blocks = true_repeated_blocks(model)
+    for block in blocks[:limit]:
         block.forward = _checkpointed(block.forward)
     return len(blocks)

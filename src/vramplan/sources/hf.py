@@ -18,7 +18,7 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel
-from vramplan.sources.configs import load_config_dict
+from vramplan.sources.configs import load_config_dict, validate_config
 
 DEFAULT_SEQ_LEN = 512
 DEFAULT_IMAGE_SIZE = 224
@@ -37,9 +37,8 @@ def _transformers():
 
 
 def _make_config(transformers, name: str, data: dict[str, Any]):
-    model_type = data.get("model_type")
-    if not model_type:
-        raise UserError(f"config {name} has no model_type")
+    validate_config(name, data)
+    model_type = data["model_type"]
     try:
         config_class = transformers.CONFIG_MAPPING[model_type]
     except KeyError:
@@ -54,8 +53,9 @@ def _make_config(transformers, name: str, data: dict[str, Any]):
     }
     try:
         return config_class(**fields)
-    except (TypeError, ValueError) as exc:
-        raise UserError(f"config {name} is not a valid {model_type} config: {exc}") from None
+    except Exception as exc:  # transformers 5's strict-dataclass errors are their own class
+        reason = " ".join(str(exc).split())
+        raise UserError(f"config {name} is not a valid {model_type} config: {reason}") from None
 
 
 def _model_class(transformers, config, name: str):
@@ -144,8 +144,9 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
             model = model_class._from_config(
                 config, attn_implementation=data.get("attn_implementation", "sdpa")
             )
-    except (ValueError, TypeError, RuntimeError) as exc:
-        raise UserError(f"cannot build {model_class.__name__} from {label}: {exc}") from None
+    except Exception as exc:  # a config transformers accepts but cannot build
+        reason = " ".join(str(exc).split())
+        raise UserError(f"cannot build {model_class.__name__} from {label}: {reason}") from None
     kind = _kind(model)
     vocab = getattr(config, "vocab_size", None)
     built_name = f"hf:{label}"
@@ -202,4 +203,6 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
         enable_checkpointing=enable_checkpointing
         if model.supports_gradient_checkpointing
         else None,
+        blocks=len(checkpoint_layers(model)) if model.supports_gradient_checkpointing else 0,
+        sequence=kind != "image-classification",
     )

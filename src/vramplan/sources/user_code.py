@@ -18,10 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from vramplan.errors import UserError
+from vramplan.errors import UserError, cuda_hint
+from vramplan.limits import time_limit
 from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel, classification_loss
-from vramplan.sources.blocks import checkpoint_repeated_blocks
+from vramplan.sources.blocks import checkpoint_repeated_blocks, true_repeated_blocks
 
 DEFAULT_SEQ_LEN = 512
 
@@ -41,24 +42,36 @@ def _load_factory(spec: str) -> Callable[[], Any]:
         module = importlib.util.module_from_spec(loader_spec)
         sys.path.insert(0, str(path.parent.resolve()))
         try:
-            loader_spec.loader.exec_module(module)
-        except Exception as exc:
-            raise UserError(f"importing {path} failed: {type(exc).__name__}: {exc}") from None
+            with time_limit(f"importing {path}"):
+                loader_spec.loader.exec_module(module)
+        except UserError:
+            raise
+        except (Exception, SystemExit) as exc:
+            raise UserError(f"importing {path} failed: {_reason(exc)}") from None
         finally:
             sys.path.pop(0)
     else:
         try:
-            module = importlib.import_module(target)
-        except Exception as exc:
-            raise UserError(
-                f"cannot import module {target!r}: {type(exc).__name__}: {exc}"
-            ) from None
+            with time_limit(f"importing {target}"):
+                module = importlib.import_module(target)
+        except UserError:
+            raise
+        except (Exception, SystemExit) as exc:
+            raise UserError(f"cannot import module {target!r}: {_reason(exc)}") from None
     factory = getattr(module, attr, None)
     if factory is None:
         raise UserError(f"{target} has no attribute {attr!r}")
     if not callable(factory):
         raise UserError(f"{target}:{attr} is not callable")
     return factory
+
+
+def _reason(exc: BaseException) -> str:
+    """One line for an exception from the user's code, with the GPU hint when it wanted one."""
+    if isinstance(exc, SystemExit):
+        return f"it called sys.exit({exc.code})"
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text}{cuda_hint(exc)}"
 
 
 def _first_layer(model: nn.Module) -> nn.Module | None:
@@ -110,6 +123,38 @@ def generic_loss(output: Any) -> torch.Tensor:
     return tensor.float().mean()
 
 
+def leading_dim(batch: Any) -> int:
+    """The batch size: the first dimension of the batch's first tensor (1 when none)."""
+    from torch.utils._pytree import tree_flatten
+
+    for leaf in tree_flatten(batch)[0]:
+        if isinstance(leaf, torch.Tensor) and leaf.dim() > 0:
+            return int(leaf.shape[0])
+    return 1
+
+
+def model_inputs(batch: Any) -> Any:
+    """What ``forward`` gets from an example batch: a ``(inputs, targets)`` tuple or list
+    feeds its first element (the loss gets the whole batch); anything else is the input.
+
+    >>> model_inputs(("images", "labels"))
+    'images'
+    """
+    if isinstance(batch, (tuple, list)) and batch:
+        return batch[0]
+    return batch
+
+
+def call_with_inputs(module: nn.Module, inputs: Any) -> Any:
+    """``module(inputs)``; a tuple of inputs is spread over ``forward``'s arguments and a
+    dict passed as keyword arguments (``((ids, mask), labels)``, ``({"input_ids": ...},)``)."""
+    if isinstance(inputs, tuple):
+        return module(*inputs)
+    if isinstance(inputs, dict):
+        return module(**inputs)
+    return module(inputs)
+
+
 def module_source(
     model: nn.Module,
     recipe: Recipe,
@@ -139,12 +184,7 @@ def module_source(
         return torch.randn(batch_size, *shape, dtype=dtype)
 
     def run(module: nn.Module, batch: Batch, training: bool):
-        if isinstance(batch, dict):  # keyword inputs, as Hugging Face (and peft) models take
-            output = module(**batch)
-        elif isinstance(batch, tuple):
-            output = module(*batch)
-        else:
-            output = module(batch)
+        output = call_with_inputs(module, model_inputs(batch))
         if not training:
             return output
         return loss_fn(output, batch) if loss_fn is not None else generic_loss(output)
@@ -160,6 +200,14 @@ def module_source(
         run=run,
         default_input_shape=shape or (),
         enable_checkpointing=checkpoint_repeated_blocks,
+        blocks=len(true_repeated_blocks(model)),
+        input_hint="check --input-shape / --seq-len"
+        if example_batch is None
+        else "check example_batch: forward gets its first element, loss_fn(output, batch) "
+        "the whole batch",
+        sequence=example_batch is None
+        and not recipe.input_shape
+        and isinstance(first, (nn.Embedding, nn.Conv1d, nn.LSTM, nn.GRU, nn.RNN)),
     )
     return apply_finetune(built, recipe, "meta" if copy_to_meta else "real")
 
@@ -180,10 +228,12 @@ def build_from_factory(spec: str, recipe: Recipe, device: str = "meta") -> Built
     """Import the user's factory and call it on the meta device (or ``device``)."""
     factory = _load_factory(spec)
     try:
-        with torch.device(device):
+        with time_limit(f"factory {spec}"), torch.device(device):
             model = factory()
     except UserError:
         raise
+    except SystemExit as exc:
+        raise UserError(f"factory {spec} called sys.exit({exc.code})") from None
     except Exception as exc:
-        raise UserError(f"factory {spec} raised {type(exc).__name__}: {exc}") from None
+        raise UserError(f"factory {spec} raised {_reason(exc)}") from None
     return module_source(model, recipe, spec, copy_to_meta=device == "meta")

@@ -15,7 +15,10 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel, image_classifier
-from vramplan.sources.blocks import checkpoint_repeated_blocks, repeated_blocks
+from vramplan.sources.blocks import (
+    checkpoint_repeated_blocks,
+    true_repeated_blocks,
+)
 
 _DEFAULT_SIZES = {"inception_v3": 299}
 
@@ -93,6 +96,7 @@ def build_torchvision(name: str, recipe: Recipe, device: str = "meta") -> BuiltM
     else:
         built = image_classifier(f"torchvision:{name}", type(model).__name__, model, shape)
     built.enable_checkpointing = checkpoint_repeated_blocks
+    built.blocks = len(true_repeated_blocks(model))
     return built
 
 
@@ -100,7 +104,7 @@ def _timm_checkpointing(model: nn.Module, limit: int | None) -> int:
     """timm's own switch for all blocks; the first ``limit`` repeated blocks otherwise."""
     if limit is None and hasattr(model, "set_grad_checkpointing"):
         model.set_grad_checkpointing(True)
-        return len(repeated_blocks(model))
+        return len(true_repeated_blocks(model))
     return checkpoint_repeated_blocks(model, limit)
 
 
@@ -118,4 +122,5 @@ def build_timm(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
         raise UserError(f"image models take --input-shape CxHxW, got {shape}")
     built = image_classifier(f"timm:{name}", type(model).__name__, model, shape)
     built.enable_checkpointing = _timm_checkpointing
+    built.blocks = len(true_repeated_blocks(model))
     return built

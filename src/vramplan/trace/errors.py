@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from torch._subclasses import fake_tensor
 
-from vramplan.errors import UserError
+from vramplan.errors import UserError, cuda_hint
 
 _FAKE_LIMITS = tuple(
     getattr(fake_tensor, name)
@@ -27,21 +27,28 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def explain_failure(exc: BaseException, model_name: str) -> UserError:
+def explain_failure(
+    exc: BaseException, model_name: str, hint: str = "check --input-shape / --seq-len"
+) -> UserError:
     """A ``UserError`` naming the op that cannot run without real data, or the error."""
     if isinstance(exc, UserError):
         return exc
     if isinstance(exc, _FAKE_LIMITS):
         op = getattr(exc, "func", None)
         return UserError(
-            f"model {model_name} cannot run under fake tensors: op {op} needs real data values "
-            "(e.g. .item(), nonzero or data-dependent shapes); make that path static or "
-            "estimate with vramplan.estimate_step() around a step that avoids it"
+            f"model {model_name} reads a tensor's value (op {op}: .item(), a Python `if` on a "
+            "tensor, nonzero or a data-dependent shape); vramplan traces on the CPU with fake "
+            "tensors, which have shapes but no values: keep that value a tensor (torch.where, "
+            "a mask) or move the data-dependent path out of forward"
         )
+    if isinstance(exc, SystemExit):
+        return UserError(f"model {model_name} called sys.exit({exc.code}) while tracing")
+    gpu_hint = cuda_hint(exc)
+    if gpu_hint:
+        return UserError(f"model {model_name} wants a GPU ({_first_line(exc)}){gpu_hint}")
     if isinstance(exc, (RuntimeError, ValueError, TypeError, IndexError, AssertionError)):
         return UserError(
-            f"model {model_name} failed on the example batch: {_first_line(exc)} "
-            "(check --input-shape / --seq-len)"
+            f"model {model_name} failed on the example batch: {_first_line(exc)} ({hint})"
         )
     return UserError(
         f"model {model_name} failed while tracing: {type(exc).__name__}: {_first_line(exc)}"

@@ -24,6 +24,8 @@ from torch.optim.optimizer import (
 )
 from torch.utils._pytree import tree_flatten, tree_map
 
+from vramplan.errors import UserError
+from vramplan.limits import time_limit
 from vramplan.optimizers import build_optimizer, optimizer_state_tensors
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Phase
@@ -152,7 +154,11 @@ def _quiet_fake_tensor_logs() -> Iterator[None]:
 
 @contextlib.contextmanager
 def tracing(
-    model: nn.Module, policy: DevicePolicy, recipe: Recipe, name: str
+    model: nn.Module,
+    policy: DevicePolicy,
+    recipe: Recipe,
+    name: str,
+    hint: str = "check --input-shape / --seq-len",
 ) -> Iterator[TracingSession]:
     """Everything a traced run needs, entered in the right order; failures inside become
     one-line ``UserError``s naming the op or the error."""
@@ -170,8 +176,25 @@ def tracing(
             entered(policy.dispatch_modes(recipe)),
         ):
             yield session
-    except Exception as exc:  # the user's model failed: say which op and what to do
-        raise explain_failure(exc, name) from None
+    except (Exception, SystemExit) as exc:  # the user's model failed: say which op and what
+        raise explain_failure(exc, name, hint) from None
+
+
+def check_checkpointing(built: BuiltModel, recipe: Recipe) -> None:
+    """Refuse ``--checkpointing`` a model cannot honour: no repeated blocks, or more
+    blocks than it has."""
+    limit = recipe.checkpoint_blocks
+    if built.enable_checkpointing is None or built.blocks == 0:
+        raise UserError(
+            f"--checkpointing {recipe.checkpointing}: {built.name} has no repeated blocks to "
+            "recompute (vramplan checkpoints the members of an nn.Sequential or nn.ModuleList "
+            "of one block class, or a transformers model's layers)"
+        )
+    if limit is not None and limit > built.blocks:
+        raise UserError(
+            f"--checkpointing {limit}: {built.name} has {built.blocks} repeated blocks; "
+            f"give at most {built.blocks}, or full"
+        )
 
 
 def prepare_model_for(built: BuiltModel, recipe: Recipe) -> list[str]:
@@ -182,10 +205,8 @@ def prepare_model_for(built: BuiltModel, recipe: Recipe) -> list[str]:
     if param_dtype != torch.float32:
         model.to(param_dtype)
     if recipe.checkpointing != "none" and recipe.is_training:
-        if built.enable_checkpointing is None:
-            notes.append("checkpointing requested but this model has no blocks to checkpoint")
-        else:
-            built.enable_checkpointing(model, recipe.checkpoint_blocks)
+        check_checkpointing(built, recipe)
+        built.enable_checkpointing(model, recipe.checkpoint_blocks)
     model.train(recipe.is_training)
     if recipe.grad_accum > MAX_MICRO_STEPS:
         notes.append(
@@ -203,9 +224,10 @@ def trace_training(
     notes = prepare_model_for(built, recipe)
     model = built.model
     with contextlib.ExitStack() as stack:
+        stack.enter_context(time_limit(f"the traced step of {built.name}"))
         if engine is not None:
             notes += stack.enter_context(engine.applied(model, recipe))
-        session = stack.enter_context(tracing(model, policy, recipe, built.name))
+        session = stack.enter_context(tracing(model, policy, recipe, built.name, built.input_hint))
         if engine is not None:
             stack.enter_context(engine.watching(model, session.recorder, session.notes))
         session.notes.extend(notes + built.notes)
@@ -259,7 +281,10 @@ def trace_step_function(
     autograd runs, optimizer inside any ``optimizer.step()``), gradients from the
     parameters' hooks and optimizer state from every optimizer that stepped.
     """
-    with tracing(model, policy, recipe, name) as session:
+    with (
+        time_limit(f"step function {name}"),
+        tracing(model, policy, recipe, name, "check the batch and the step function") as session,
+    ):
         params = session.prepare_model(model)
         fake_batch = fake_copy(batch)
         session.tag_inputs(fake_batch)

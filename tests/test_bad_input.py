@@ -1,0 +1,591 @@
+"""The bad-input matrix: every command and every source, fed what a user can get wrong.
+
+Each case must end with exit code 2, exactly one line on stderr (``vramplan: error: ...``),
+no traceback, nothing on stdout under ``--json``, and every input file byte for byte as it
+was. Most cases run in-process (``run_cli``); a few run the installed command end to end.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TINY_GPT2 = {  # the tiny GPT-2 of conftest.py: two blocks of width 32
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "vocab_size": 512,
+    "n_positions": 64,
+    "n_embd": 32,
+    "n_layer": 2,
+    "n_head": 2,
+}
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+
+# Configs that make no model: (file stem, config, what the message must name).
+BAD_CONFIGS = {
+    "gpt2_width_0": ({**TINY_GPT2, "n_embd": 0}, "n_embd must be a positive integer"),
+    "gpt2_width_string": ({**TINY_GPT2, "n_embd": "32"}, "n_embd must be a positive integer"),
+    "gpt2_heads_3": ({**TINY_GPT2, "n_head": 3}, "n_head 3 does not divide n_embd 32"),
+    "gpt2_only_type": ({"model_type": "gpt2"}, "does not give the model's size"),
+    "llama_only_type": ({"model_type": "llama"}, "does not give the model's size"),
+    "llama_hidden_0": ({**LLAMA, "hidden_size": 0}, "hidden_size must be a positive integer"),
+    "llama_heads_0": (
+        {**LLAMA, "num_attention_heads": 0},
+        "num_attention_heads must be a positive integer",
+    ),
+    "llama_hidden_word": ({**LLAMA, "hidden_size": "big"}, "hidden_size"),
+    "gpt2_layers_negative": ({**TINY_GPT2, "n_layer": -1}, "n_layer must be a positive"),
+    "gpt2_vocab_0": ({**TINY_GPT2, "vocab_size": 0}, "vocab_size must be a positive"),
+    "gpt2_layers_float": ({**TINY_GPT2, "n_layer": 1.5}, "n_layer must be a positive"),
+    "gpt2_layers_bool": ({**TINY_GPT2, "n_layer": True}, "n_layer must be a positive"),
+    "gpt2_heads_null": ({**TINY_GPT2, "n_head": None}, "n_head must be a positive"),
+    "llama_kv_3": ({**LLAMA, "num_key_value_heads": 3}, "num_key_value_heads 3 does not"),
+    "llama_intermediate_0": ({**LLAMA, "intermediate_size": 0}, "intermediate_size"),
+    "gpt2_positions_0": ({**TINY_GPT2, "n_positions": 0}, "n_positions must be a positive"),
+    "gpt2_layers_huge": ({**TINY_GPT2, "n_layer": 10**6}, "n_layer 1,000,000 is more than"),
+    "gpt2_width_huge": ({**TINY_GPT2, "n_embd": 2**40}, "larger than any model's"),
+    "no_model_type": ({k: v for k, v in TINY_GPT2.items() if k != "model_type"}, "model_type"),
+    "model_type_number": ({**TINY_GPT2, "model_type": 7}, "model_type must be a string"),
+    "gpt2_dropout_word": ({**TINY_GPT2, "attn_pdrop": "high"}, "attn_pdrop must be a number"),
+    "gpt2_dropout_2": ({**TINY_GPT2, "resid_pdrop": 2.0}, "resid_pdrop must be in [0, 1)"),
+    "gpt2_architectures_string": (
+        {**TINY_GPT2, "architectures": "GPT2LMHeadModel"},
+        "architectures must be a list",
+    ),
+}
+RAW_CONFIGS = {  # not JSON objects at all
+    "broken_json": ("{ not json", "malformed config JSON"),
+    "array_json": ("[1, 2, 3]", "expected an object"),
+    "empty_json": ("", "malformed config JSON"),
+}
+
+MODELS_PY = """\
+import sys, time, torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv, self.norm = nn.Conv2d(8, 8, 3, padding=1), nn.BatchNorm2d(8)
+    def forward(self, x):
+        return nn.functional.relu(self.norm(self.conv(x))) + x
+
+def cnn():
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(),
+                         nn.Sequential(Block(), Block()),
+                         nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 10))
+
+def mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+class _Wrap(nn.Module):
+    def __init__(self, body):
+        super().__init__()
+        self.lin, self.body = nn.Linear(8, 8), body
+    def forward(self, x):
+        return self.body(self, x)
+
+def data_dependent():
+    return _Wrap(lambda m, x: m.lin(x) if x.sum() > 0 else x)
+def item():
+    return _Wrap(lambda m, x: m.lin(x) * x.mean().item())
+def nonzero():
+    return _Wrap(lambda m, x: m.lin(x)[x.nonzero()[:, 0]])
+def to_cuda_in_forward():
+    return _Wrap(lambda m, x: m.lin(x.cuda()))
+def shape_mismatch():
+    return nn.Sequential(nn.Linear(8, 8), nn.Linear(9, 2))
+def hangs_in_forward():
+    def forever(m, x):
+        while True:
+            pass
+    return _Wrap(forever)
+
+class Identity(nn.Module):
+    def forward(self, x):
+        return x
+def no_layers():
+    return Identity()
+
+def needs_cuda():
+    if not torch.cuda.is_available():
+        raise RuntimeError("this model needs a GPU")
+    return mlp()
+def cuda_factory():
+    return nn.Linear(8, 8).cuda()
+def raises():
+    raise ValueError("boom")
+def returns_int():
+    return 42
+def returns_none():
+    return None
+def returns_class():
+    return nn.Linear
+def returns_tuple():
+    return (mlp(), mlp())
+def exits():
+    sys.exit(3)
+def recursion():
+    return recursion()
+def sleeps():
+    time.sleep(60)
+    return mlp()
+def swallows():
+    try:
+        time.sleep(60)
+    except Exception:
+        pass
+    return mlp()
+def needs_argument(width):
+    return nn.Linear(width, width)
+not_callable = 5
+"""
+
+USER_FILES = {
+    "syntax.py": "def f(:\n",
+    "import_raises.py": "raise RuntimeError('at import')\n",
+    "import_exits.py": "import sys\nsys.exit(0)\n",
+    "import_missing.py": "import vramplan_no_such_dependency\n",
+}
+
+LAYER_SPECS = {
+    "broken.yaml": ("input: [3, 32\nlayers: [", "malformed layer spec"),
+    "broken.json": ('{"input": [3, 32, 32], "layers": [', "malformed layer spec"),
+    "list.yaml": ("- conv\n- pool\n", "needs an 'input' shape"),
+    "no_layers.yaml": ("input: [3, 32, 32]\n", "needs an 'input' shape"),
+    "empty.yaml": ("", "needs an 'input' shape"),
+    "input_zero.yaml": ("input: [3, 0, 32]\nlayers: [relu]\n", "spec input must be"),
+    "input_word.yaml": ("input: three\nlayers: [relu]\n", "spec input must be"),
+    "unknown_type.yaml": ("input: [3, 32, 32]\nlayers: [transformerz]\n", "unknown layer type"),
+    "negative_out.yaml": (
+        "input: [3, 32, 32]\nlayers:\n  - conv: {out: -4, kernel: 3}\n",
+        "positive integer 'out'",
+    ),
+    "kernel_too_big.yaml": (
+        "input: [3, 4, 4]\nlayers:\n  - conv: {out: 8, kernel: 9, padding: 0}\n",
+        "does not fit",
+    ),
+    "settings_list.yaml": ("input: [3, 32, 32]\nlayers:\n  - conv: [1, 2]\n", "cannot read layer"),
+    "settings_number.yaml": ("input: [3, 32, 32]\nlayers:\n  - conv: 5\n", "cannot read layer"),
+    "out_bool.yaml": (
+        "input: [3, 32, 32]\nlayers:\n  - conv: {out: true, kernel: 3}\n",
+        "positive integer 'out'",
+    ),
+    "heads.yaml": (
+        "input: [10]\nlayers:\n  - embedding: {vocab: 100, dim: 30}\n  - attention: {heads: 4}\n",
+        "heads do not divide",
+    ),
+    "embedding_on_image.yaml": (
+        "input: [3, 32, 32]\nlayers:\n  - embedding: {vocab: 10, dim: 8}\n",
+        "needs token ids",
+    ),
+    "activation.yaml": (
+        "input: [3, 32, 32]\nlayers:\n  - conv: {out: 8, kernel: 3, activation: swish}\n",
+        "unknown fused activation",
+    ),
+    "spec.toml": ('input = [3, 32, 32]\nlayers = ["relu"]\n', "give a .yaml, .yml or .json"),
+}
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory) -> Path:
+    """Every input file of the matrix, in one folder."""
+    root = tmp_path_factory.mktemp("bad-input")
+    (root / "tiny.json").write_text(json.dumps(TINY_GPT2))
+    (root / "llama.json").write_text(json.dumps(LLAMA))
+    for stem, (config, _) in BAD_CONFIGS.items():
+        (root / f"{stem}.json").write_text(json.dumps(config))
+    for stem, (text, _) in RAW_CONFIGS.items():
+        (root / f"{stem}.json").write_text(text)
+    (root / "models.py").write_text(MODELS_PY)
+    for name, text in USER_FILES.items():
+        (root / name).write_text(text)
+    for name, (text, _) in LAYER_SPECS.items():
+        (root / name).write_text(text)
+    (root / "empty_folder").mkdir()
+    (root / "bert.json").write_text(
+        json.dumps(
+            {
+                "model_type": "bert",
+                "architectures": ["BertForMaskedLM"],
+                "hidden_size": 32,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "intermediate_size": 64,
+                "vocab_size": 512,
+            }
+        )
+    )
+    return root
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and "__pycache__" not in p.parts
+    }
+
+
+T = "hf:{d}/tiny.json"
+M = "{d}/models.py"
+CARD = ["--gpu", "t4"]
+
+CASES: list[tuple[str, list[str], str | None]] = []
+
+
+def case(name: str, args: list[str], expected: str | None = None) -> None:
+    CASES.append((name, args, expected))
+
+
+# -- configs, in every command that reads one -------------------------------------------------
+TRACING = {
+    "estimate": [],
+    "max-batch": CARD,
+    "plan": CARD,
+    "measure": ["--device", "cpu"],
+}
+for stem, (_, expected) in {**BAD_CONFIGS, **RAW_CONFIGS}.items():
+    for command, extra in {**TRACING, "llm": []}.items():
+        case(f"{command}-config-{stem}", [command, f"hf:{{d}}/{stem}.json", *extra], expected)
+for command, extra in {**TRACING, "llm": []}.items():
+    case(
+        f"{command}-folder-without-config",
+        [command, "hf:{d}/empty_folder", *extra],
+        "no config.json",
+    )
+    case(f"{command}-config-missing", [command, "hf:{d}/missing.json", *extra], "not found")
+    case(f"{command}-hf-unknown", [command, "hf:not-a-model", *extra], "unknown hf model")
+
+# -- recipe and device flags -----------------------------------------------------------------
+FLAGS = [
+    ("gpu-memory-bare", ["--gpu-memory", "24"], "did you mean 24GiB?"),
+    ("gpu-memory-zero", ["--gpu-memory", "0GiB"], "must be positive"),
+    ("gpu-memory-negative", ["--gpu-memory", "-1GiB"], "must be positive"),
+    ("gpu-memory-word", ["--gpu-memory", "lots"], "cannot read GPU memory"),
+    ("gpu-memory-empty", ["--gpu-memory", ""], "--gpu-memory is empty"),
+    ("gpu-memory-bytes", ["--gpu-memory", "24B"], "between 256MiB"),
+    ("gpu-memory-huge", ["--gpu-memory", "1e9TiB"], "between 256MiB"),
+    ("gpu-memory-unit", ["--gpu-memory", "24XB"], "cannot read GPU memory"),
+    ("gpu-empty", ["--gpu", ""], "--gpu is empty"),
+    ("gpu-blank", ["--gpu", "  "], "--gpu is empty"),
+    ("gpu-unknown", ["--gpu", "rtx9999"], "unknown GPU"),
+    ("gpu-and-memory", ["--gpu", "t4", "--gpu-memory", "24GiB"], "not both"),
+    ("shape-trailing-x", ["--input-shape", "3x224x224x"], "a size is missing"),
+    ("shape-double-x", ["--input-shape", "3xx224"], "a size is missing"),
+    ("shape-only-x", ["--input-shape", "x"], "shape"),
+    ("shape-zero", ["--input-shape", "0x3"], "positive integer"),
+    ("shape-word", ["--input-shape", "3xAx4"], "cannot read shape"),
+    ("shape-empty", ["--input-shape", ""], "shape"),
+    ("shape-negative", ["--input-shape", "-3x4"], "shape"),
+    ("batch-zero", ["--batch-size", "0"], "batch size must be a positive integer"),
+    ("batch-negative", ["--batch-size", "-2"], "batch size must be a positive integer"),
+    ("batch-word", ["--batch-size", "many"], "--batch-size"),
+    ("batch-float", ["--batch-size", "1.5"], "--batch-size"),
+    ("seq-zero", ["--seq-len", "0"], "sequence length must be a positive integer"),
+    ("seq-too-long", ["--seq-len", "100000"], "64 learned positions"),
+    ("precision", ["--precision", "fp8"], "unknown precision"),
+    ("optimizer", ["--optimizer", "adamm"], "unknown optimizer"),
+    ("checkpointing-negative", ["--checkpointing", "-1"], "checkpointing"),
+    ("checkpointing-word", ["--checkpointing", "half"], "checkpointing"),
+    ("checkpointing-beyond", ["--checkpointing", "1000"], "has 2 repeated blocks"),
+    ("checkpointing-infer", ["--checkpointing", "full", "--mode", "infer"], "no backward"),
+    ("mode", ["--mode", "eval"], "unknown mode"),
+    ("grad-accum", ["--grad-accum", "0"], "gradient accumulation"),
+    ("headroom-high", ["--headroom", "1.5"], "headroom"),
+    ("headroom-negative", ["--headroom", "-0.1"], "headroom"),
+    ("alloc-conf-option", ["--alloc-conf", "bogus:1"], "alloc conf"),
+    ("alloc-conf-value", ["--alloc-conf", "expandable_segments:maybe"], "alloc conf"),
+    ("units", ["--units", "metric"], "unknown units"),
+    ("timeout-zero", ["--timeout", "0"], "timeout must be a positive"),
+    ("timeout-negative", ["--timeout", "-5"], "timeout must be a positive"),
+    ("unknown-flag", ["--bogus-flag"], "No such option"),
+]
+for name, flags, expected in FLAGS:
+    case(f"estimate-{name}", ["estimate", T, *flags], expected)
+ESTIMATE_ONLY = [
+    ("target", ["--target", "tpu"], "unknown target"),
+    ("framework", ["--framework", "jax"], "unknown framework"),
+    ("profile-missing", ["--profile", "{d}/missing-profile.json"], "profile not found"),
+    ("stack", ["--stack", "nonsense"], "stack"),
+    ("used-counter", ["--used-counter", "nvml-v3"], "used counter"),
+    ("html-folder-missing", ["--html", "{d}/no/such/folder/r.html"], "does not exist"),
+    ("html-over-config", ["--html", "{d}/tiny.json"], "never replaces a .json file"),
+    ("html-folder", ["--html", "{d}/empty_folder"], "needs a file path"),
+    ("plot-over-model", ["--plot", "{d}/models.py"], "never replaces a .py file"),
+    ("plot-folder-missing", ["--plot", "{d}/no/p.png"], "does not exist"),
+    ("fsdp-zero", ["--fsdp", "0"], "at least 1"),
+    ("world-size-zero", ["--world-size", "0"], "at least 1"),
+    ("shard", ["--world-size", "2", "--shard", "weird"], "unknown --shard"),
+    ("zero-stage", ["--zero", "4", "--dp", "2"], "ZeRO stage"),
+    ("zero-dp-zero", ["--zero", "1", "--dp", "0"], "at least 1"),
+    ("fsdp-and-zero", ["--fsdp", "2", "--zero", "1"], "choose one of"),
+    ("offload-alone", ["--offload-optimizer"], "go with --zero"),
+    ("tp-zero", ["--tp", "0"], "at least 1"),
+    ("tp-not-dividing", ["--tp", "3"], "does not divide the 2 attention heads"),
+    ("pp-zero", ["--pp", "0"], "at least 1"),
+    ("pp-beyond-layers", ["--pp", "5"], "larger than the 2 layers"),
+    ("microbatches-zero", ["--pp", "2", "--microbatches", "0"], "at least 1"),
+    ("sp-without-tp", ["--sp"], "--sp needs --tp"),
+]
+for name, flags, expected in ESTIMATE_ONLY:
+    case(f"estimate-{name}", ["estimate", T, *flags], expected)
+for command, extra in (("max-batch", CARD), ("plan", CARD), ("measure", ["--device", "cpu"])):
+    for name, flags, expected in FLAGS:
+        if name.startswith(("gpu", "headroom")) and command == "measure":
+            continue  # measure takes no card
+        if name in ("shape-only-x", "shape-empty", "batch-float", "headroom-negative"):
+            continue  # the same parser as above; keep the matrix quick
+        if name.startswith("gpu"):
+            case(f"{command}-{name}", [command, T, *flags], expected)
+            continue
+        case(f"{command}-{name}", [command, T, *extra, *flags], expected)
+case("max-batch-no-card", ["max-batch", T], "needs a card")
+case("max-batch-search", ["max-batch", T, *CARD, "--search", "tokens"], "unknown search")
+case("plan-host-memory-bare", ["plan", T, *CARD, "--host-memory", "64"], "did you mean 64GiB?")
+case("plan-host-memory-word", ["plan", T, *CARD, "--host-memory", "plenty"], "host memory")
+case("plan-workers", ["plan", T, *CARD, "--workers", "-1"], "workers")
+case("plan-html-folder-missing", ["plan", T, *CARD, "--html", "{d}/no/r.html"], "does not exist")
+case("measure-html-over-config", ["measure", T, "--html", "{d}/tiny.json"], "never replaces")
+case("measure-steps", ["measure", T, "--device", "cpu", "--steps", "0"], "steps")
+case("measure-device", ["measure", T, "--device", "tpu"], "unknown device")
+case("measure-cuda-absent", ["measure", T, "--device", "cuda"], "no CUDA device")
+case(
+    "measure-snapshot-cpu",
+    ["measure", T, "--device", "cpu", "--snapshot", "{d}/snap.pickle"],
+    "nothing to record with --device cpu",
+)
+
+# -- the model and the flags it cannot take -------------------------------------------------
+for command, extra in {**TRACING}.items():
+    case(
+        f"{command}-user-seq-len-on-image",
+        [command, f"{M}:cnn", *extra, "--seq-len", "64"],
+        "takes no sequence",
+    )
+    case(
+        f"{command}-user-checkpointing-no-blocks",
+        [command, f"{M}:mlp", *extra, "--checkpointing", "full"],
+        "no repeated blocks",
+    )
+    case(
+        f"{command}-user-checkpointing-beyond",
+        [command, f"{M}:cnn", *extra, "--checkpointing", "3"],
+        "has 2 repeated blocks",
+    )
+case(
+    "max-batch-search-seq-on-image",
+    ["max-batch", f"{M}:cnn", *CARD, "--search", "seq-len"],
+    "no sequence length to search",
+)
+case("estimate-tp-on-cnn", ["estimate", f"{M}:cnn", "--tp", "2"], "this model has none")
+case("estimate-pp-on-mlp", ["estimate", f"{M}:mlp", "--pp", "2"], "this model has none")
+case(
+    "estimate-shape-wrong-rank",
+    ["estimate", f"{M}:cnn", "--input-shape", "5"],
+    "failed on the example batch",
+)
+case("estimate-text-shape-on-lm", ["estimate", T, "--input-shape", "3x224x224"], "text models take")
+
+# -- model names and user code --------------------------------------------------------------
+SPECS = [
+    ("no-prefix", "nonsense", "cannot read model"),
+    ("empty-name", "hf:", "cannot read model"),
+    ("torchvision-unknown", "torchvision:resnet5O", "unknown torchvision model"),
+    ("timm-unknown", "timm:not_a_timm_model", "unknown timm model"),
+    ("file-missing", "{d}/missing.py:make", "model file not found"),
+    ("module-missing", "vramplan_no_such_module:make", "cannot import module"),
+    ("no-factory-name", "{d}/models.py:", "cannot read model"),
+    ("no-file-name", ":make", "cannot read model"),
+    ("attribute-missing", f"{M}:nope", "has no attribute 'nope'"),
+    ("not-callable", f"{M}:not_callable", "is not callable"),
+    ("syntax-error", "{d}/syntax.py:f", "SyntaxError"),
+    ("import-raises", "{d}/import_raises.py:f", "RuntimeError: at import"),
+    ("import-exits", "{d}/import_exits.py:f", "sys.exit(0)"),
+    ("import-missing", "{d}/import_missing.py:f", "ModuleNotFoundError"),
+    ("factory-raises", f"{M}:raises", "raised ValueError: boom"),
+    ("factory-needs-argument", f"{M}:needs_argument", "missing 1 required positional"),
+    ("returns-int", f"{M}:returns_int", "did not return an nn.Module (got int)"),
+    ("returns-none", f"{M}:returns_none", "got NoneType"),
+    ("returns-class", f"{M}:returns_class", "got type"),
+    ("returns-tuple", f"{M}:returns_tuple", "got tuple"),
+    ("factory-exits", f"{M}:exits", "called sys.exit(3)"),
+    ("factory-recursion", f"{M}:recursion", "RecursionError"),
+    ("needs-cuda", f"{M}:needs_cuda", "traces on the CPU with fake tensors"),
+    ("cuda-factory", f"{M}:cuda_factory", "never uses a GPU"),
+    ("cuda-in-forward", f"{M}:to_cuda_in_forward", "never uses a GPU"),
+    ("data-dependent-if", f"{M}:data_dependent", "shapes but no values"),
+    ("item", f"{M}:item", "shapes but no values"),
+    ("nonzero", f"{M}:nonzero", "shapes but no values"),
+    ("shape-mismatch", f"{M}:shape_mismatch", "failed on the example batch"),
+    ("no-layers", f"{M}:no_layers", "pass --input-shape"),
+]
+for name, spec, expected in SPECS:
+    case(f"estimate-{name}", ["estimate", spec], expected)
+for command, extra in (("max-batch", CARD), ("plan", CARD), ("measure", ["--device", "cpu"])):
+    for name, spec, expected in SPECS:
+        if name in (
+            "syntax-error",
+            "factory-raises",
+            "returns-none",
+            "item",
+            "needs-cuda",
+            "file-missing",
+        ):
+            case(f"{command}-{name}", [command, spec, *extra], expected)
+
+# -- the answers without tracing ------------------------------------------------------------
+CALC = [
+    ("params-fraction", ["--params", "0.5"], "whole number"),
+    ("params-zero", ["--params", "0"], "at least 1"),
+    ("params-word", ["--params", "lots"], "cannot read parameter count"),
+    ("params-negative", ["--params", "-5"], "must not be negative"),
+    ("params-suffix", ["--params", "20Q"], "cannot read parameter count"),
+    ("params-inf", ["--params", "1e400"], "cannot read parameter count"),
+    ("params-missing", [], "--params"),
+    ("activations-negative", ["--params", "20M", "--activations-per-sample", "-1"], "negative"),
+    ("activations-word", ["--params", "20M", "--activations-per-sample", "x"], "activations"),
+    ("method", ["--params", "20M", "--method", "nope"], "unknown method"),
+    ("shape", ["--params", "20M", "--input-shape", "3x"], "a size is missing"),
+    ("batch", ["--params", "20M", "--batch-size", "0"], "batch size"),
+    ("precision", ["--params", "20M", "--precision", "fp4"], "unknown precision"),
+    ("optimizer", ["--params", "20M", "--optimizer", "sgdd"], "unknown optimizer"),
+]
+for name, flags, expected in CALC:
+    case(f"calc-{name}", ["calc", *flags], expected)
+for name, (_, expected) in LAYER_SPECS.items():
+    case(f"layers-{name}", ["layers", f"{{d}}/{name}"], expected)
+case("layers-missing", ["layers", "{d}/missing.yaml"], "not found")
+case("layers-folder", ["layers", "{d}/empty_folder"], "not found")
+case(
+    "layers-method", ["layers", str(EXAMPLES / "vgg16.yaml"), "--method", "nope"], "unknown method"
+)
+case("layers-batch", ["layers", str(EXAMPLES / "vgg16.yaml"), "--batch-size", "0"], "batch size")
+LLM = [
+    ("not-hf", ["torchvision:resnet50"], "llm takes hf:NAME"),
+    ("encoder", ["hf:{d}/bert.json"], "decoder-only"),
+    ("attention", [T, "--attention", "weird"], "unknown attention"),
+    ("recompute", [T, "--recompute", "weird"], "unknown recompute"),
+    ("tp", [T, "--tp", "3"], "must divide"),
+    ("tp-zero", [T, "--tp", "0"], "must divide"),
+    ("lora-negative", [T, "--lora-rank", "-4"], "LoRA rank must be a positive integer"),
+    ("qlora-without-rank", [T, "--qlora"], "--qlora needs --lora-rank"),
+    ("seq-zero", [T, "--seq-len", "0"], "sequence length"),
+    ("precision", [T, "--precision", "fp8"], "unknown precision"),
+    ("mode", [T, "--mode", "serve"], "unknown mode"),
+]
+for name, args, expected in LLM:
+    case(f"llm-{name}", ["llm", *args], expected)
+case("gpus-units", ["gpus", "--units", "weird"], "unknown units")
+case("gpus-argument", ["gpus", "extra"], "unexpected extra argument")
+case("models-source", ["models", "nope"], "unknown source")
+case("models-flag", ["models", "hf", "--all"], "No such option")
+case("calibrate-no-gpu", ["calibrate"], "needs a CUDA GPU")
+case("calibrate-output", ["calibrate", "--output", "{d}/profiles"], "needs a CUDA GPU")
+case("unknown-command", ["estimat", T], "No such command")
+
+
+def _args(args: list[str], root: Path) -> list[str]:
+    return [a.replace("{d}", str(root)) for a in args]
+
+
+def check_refused(code, out, err, json_output: bool, expected: str | None) -> None:
+    assert code == 2, (code, out[-500:], err[-2000:])
+    assert "Traceback" not in out + err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("vramplan: error: "), lines[0]
+    if json_output:
+        assert out == ""
+    if expected is not None:
+        assert expected in lines[0], lines[0]
+
+
+def test_the_matrix_is_large():
+    assert len(CASES) >= 150
+    assert len({name for name, _, _ in CASES}) == len(CASES)  # each case named once
+    commands = {args[0] for _, args, _ in CASES}
+    assert commands >= {
+        "estimate",
+        "max-batch",
+        "plan",
+        "measure",
+        "calc",
+        "layers",
+        "llm",
+        "gpus",
+        "models",
+        "calibrate",
+    }
+
+
+@pytest.mark.parametrize("args,expected", [c[1:] for c in CASES], ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_in_one_line(run_cli, inputs, args, expected):
+    before = _digest(inputs)
+    code, out, err = run_cli(*_args(args, inputs), "--json")
+    check_refused(code, out, err, True, expected)
+    assert _digest(inputs) == before  # the user's files are never modified
+    assert not (inputs / "snap.pickle").exists()
+
+
+def test_a_factory_that_never_returns_is_stopped(run_cli, inputs):
+    code, out, err = run_cli("estimate", f"{inputs}/models.py:sleeps", "--timeout", "1")
+    check_refused(code, out, err, False, "factory")
+    assert "models.py:sleeps did not return within 1 s" in err
+
+
+def test_a_factory_that_catches_exceptions_is_still_stopped(run_cli, inputs):
+    code, out, err = run_cli("estimate", f"{inputs}/models.py:swallows", "--timeout", "1")
+    check_refused(code, out, err, False, "models.py:swallows did not return within 1 s")
+
+
+def test_a_forward_that_never_returns_is_stopped(run_cli, inputs):
+    code, out, err = run_cli("estimate", f"{inputs}/models.py:hangs_in_forward", "--timeout", "1")
+    check_refused(code, out, err, False, "the traced step of")
+
+
+@pytest.mark.parametrize(
+    "args,expected",
+    [
+        (["estimate", "hf:{d}/gpt2_only_type.json"], "does not give the model's size"),
+        (["llm", "hf:{d}/llama_heads_0.json", "--json"], "num_attention_heads"),
+        (["estimate", "{d}/models.py:item", "--html", "{d}/r.html"], "shapes but no values"),
+    ],
+)
+def test_end_to_end_through_the_installed_command(inputs, args, expected):
+    before = _digest(inputs)
+    result = subprocess.run(
+        [sys.executable, "-m", "vramplan", *_args(args, inputs)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    check_refused(result.returncode, result.stdout, result.stderr, "--json" in args, expected)
+    assert _digest(inputs) == before
+
+
+def test_python_callers_are_pointed_at_example_batch():
+    import torch
+    from torch import nn
+
+    import vramplan
+
+    model = nn.Sequential(nn.Linear(8, 4))
+    with pytest.raises(vramplan.UserError, match="check example_batch"):
+        vramplan.estimate(model, example_batch=(torch.randn(2, 5), torch.zeros(2)))
