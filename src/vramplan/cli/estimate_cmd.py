@@ -59,6 +59,7 @@ from vramplan.cli.options import (
     WorldSizeOpt,
     ZeroOpt,
     recipe_from_options,
+    session_from_options,
 )
 from vramplan.report.outputs import (
     batch_curve_for,
@@ -147,22 +148,7 @@ def estimate_command(
     )
     expected = len(curve_sizes(recipe.batch_size)) if html else 1
     with trace_progress(progress_wanted(json_output, quiet), expected=expected) as progress:
-        session = vramplan.Session(
-            model,
-            timeout=timeout,
-            gpu=gpu,
-            gpu_memory=gpu_memory,
-            headroom=headroom,
-            alloc_conf=alloc_conf,
-            cudnn_benchmark=cudnn_benchmark,
-            profile=profile,
-            stack=stack,
-            used_counter=used_counter,
-            target=target,
-            framework=framework,
-            full_trace=full_trace,
-            progress=progress,
-        )
+        session = session_from_options(locals(), progress=progress)
         result = session.estimate(recipe, layout=layout)
         points = session.batch_curve_points(result, layout)
         curve = batch_curve_for(result, points) if html else None

@@ -9,7 +9,6 @@ from typing import Annotated
 
 import typer
 
-import vramplan
 from vramplan.cli.app import app
 from vramplan.cli.options import (
     AllocConfOpt,
@@ -28,6 +27,7 @@ from vramplan.cli.options import (
     TimeoutOpt,
     UnitsOpt,
     recipe_from_options,
+    session_from_options,
 )
 from vramplan.report.measure import comparison_rows, render_comparison
 from vramplan.report.outputs import check_report_paths, write_reports
@@ -72,7 +72,7 @@ def measure_command(
     check_units(units)
     recipe = recipe_from_options(locals())
     check_report_paths(html, plot)
-    session = vramplan.Session(model, alloc_conf=alloc_conf, timeout=timeout)
+    session = session_from_options(locals())
     result = session.measure(recipe, device=device, steps=steps, snapshot=snapshot)
     if html or plot:
         write_reports(

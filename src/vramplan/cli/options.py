@@ -12,6 +12,7 @@ from typing import Annotated
 
 import typer
 
+import vramplan
 from vramplan import Recipe
 
 Model = Annotated[
@@ -85,6 +86,29 @@ def recipe_from_options(options: dict) -> Recipe:
     command's ``locals()``) into a Recipe; a UserError on any bad value."""
     knobs = {name: options[name] for name in RECIPE_OPTIONS}
     return Recipe(**knobs, **finetune_from_options(options))
+
+
+SESSION_OPTIONS = (
+    "timeout",
+    "gpu",
+    "gpu_memory",
+    "headroom",
+    "alloc_conf",
+    "cudnn_benchmark",
+    "profile",
+    "stack",
+    "used_counter",
+    "target",
+    "framework",
+    "full_trace",
+)
+
+
+def session_from_options(options: dict, **extra) -> vramplan.Session:
+    """The Session a command's device options ask for (read by name from ``options``, e.g.
+    the command's ``locals()``; those it does not have keep the Session's defaults)."""
+    chosen = {name: options[name] for name in SESSION_OPTIONS if name in options}
+    return vramplan.Session(options["model"], **chosen, **extra)
 
 
 GpuOpt = Annotated[

@@ -10,7 +10,6 @@ from typing import Annotated
 
 import typer
 
-import vramplan
 from vramplan.cli.app import app
 from vramplan.cli.options import (
     AllocConfOpt,
@@ -46,6 +45,7 @@ from vramplan.cli.options import (
     UnitsOpt,
     UsedCounterOpt,
     recipe_from_options,
+    session_from_options,
 )
 from vramplan.report.outputs import batch_curve_for, check_report_paths, write_reports
 from vramplan.report.plan import plan_rows, render_max_batch, render_plan
@@ -102,19 +102,7 @@ def max_batch_command(
     check_units(units)
     recipe = recipe_from_options(locals())
     with trace_progress(progress_wanted(json_output, quiet)) as progress:
-        session = vramplan.Session(
-            model,
-            timeout=timeout,
-            gpu=gpu,
-            gpu_memory=gpu_memory,
-            headroom=headroom,
-            alloc_conf=alloc_conf,
-            cudnn_benchmark=cudnn_benchmark,
-            profile=profile,
-            stack=stack,
-            used_counter=used_counter,
-            progress=progress,
-        )
+        session = session_from_options(locals(), progress=progress)
         result = session.max_batch(recipe, search=search)
     if json_output:
         print_json(result.to_json())
@@ -167,19 +155,7 @@ def plan_command(
     recipe = recipe_from_options(locals())
     check_report_paths(html, plot)
     with trace_progress(progress_wanted(json_output, quiet)) as progress:
-        session = vramplan.Session(
-            model,
-            timeout=timeout,
-            gpu=gpu,
-            gpu_memory=gpu_memory,
-            headroom=headroom,
-            alloc_conf=alloc_conf,
-            cudnn_benchmark=cudnn_benchmark,
-            profile=profile,
-            stack=stack,
-            used_counter=used_counter,
-            progress=progress,
-        )
+        session = session_from_options(locals(), progress=progress)
         answer = session.plan(
             recipe,
             host_memory=host_memory_limit,
