@@ -191,3 +191,16 @@ def test_host_memory_terms():
     assert host.terms["pinned_buffers"] == 4 * batch
     assert host.terms["offloaded_optimizer_state"] == 2 * est.model.parameter_bytes
     assert host.exceeds_limit
+
+
+def test_plan_prints_whole_flags_on_a_narrow_terminal(capsys, monkeypatch, tiny_cnn):
+    """At 80 columns the table wraps its cells; the flags to copy must stay whole."""
+    monkeypatch.setenv("COLUMNS", "80")
+    args = ["plan", tiny_cnn, "--batch-size", "64", "--input-shape", "3x32x32"]
+    main([*args, "--gpu-memory", "1750MiB", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    main([*args, "--gpu-memory", "1750MiB"])
+    lines = capsys.readouterr().out.splitlines()
+    for lever in data["levers"]:
+        assert any(line.strip() == f"{lever['name']}: {lever['flags']}" for line in lines)
+    assert any(data["plan"]["flags"] in line for line in lines)

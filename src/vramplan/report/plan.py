@@ -124,7 +124,7 @@ def render_plan(answer: PlanAnswer, units: str) -> None:
         "cached segments and the runtime keep the device total)"
     )
     table.caption_justify = "left"
-    for column in ("lever", "flags", "device total", "saves", "status", "cost"):
+    for column in ("lever", "device total", "saves", "status", "cost"):
         table.add_column(column, justify="right" if column in ("device total", "saves") else "left")
     for lever in result.levers:
         cost = ", ".join(
@@ -135,19 +135,23 @@ def render_plan(answer: PlanAnswer, units: str) -> None:
         )
         table.add_row(
             lever.name,
-            lever.flags,
             fmt(lever.estimate.peak.device_total_bytes),
             saves(lever, units),
             lever.status.upper(),
             cost,
         )
     console.print(table)
+    # the flags to copy stay whole on lines of their own, whatever the terminal's width
+    console.print("Flags of each lever:")
+    for lever in result.levers:
+        console.print(f"  {lever.name}: {lever.flags}", soft_wrap=True, highlight=False)
     if result.plan is not None:
         plan = result.plan
         console.print(
             f"First plan that fits: [bold]{plan.name}[/bold] → {plan.flags} "
             f"(device total {fmt(plan.estimate.peak.device_total_bytes)}, "
-            f"{plan.status.upper()})"
+            f"{plan.status.upper()})",
+            soft_wrap=True,
         )
     if all_gpus or any(row.status != "fits" for row in fleet):
         gpus = Table(title="GPUs", title_justify="left")
