@@ -146,3 +146,13 @@ def test_models_lists_bundled_configs(run_cli):
     assert "hf:gpt2" in listed and "hf:meta-llama-3-8b" in listed
     code, _, err = run_cli("models", "bogus")
     assert code == 2 and "unknown source" in err
+
+
+@pytest.mark.parametrize(
+    "flag,hint",
+    [("--gpus", "did you mean --gpu?"), ("--batch", "--batch-size"), ("--colour", "--help")],
+)
+def test_unknown_flags_suggest_only_flags_that_look_alike(run_cli, flag, hint):
+    code, out, err = run_cli("estimate", "hf:gpt2", flag, "1")
+    assert code == 2 and out == "" and hint in err and err.count("\n") == 1
+    assert "--tp" not in err and "--units" not in err

@@ -8,6 +8,7 @@ Errors a user can cause print one line on stderr and exit with code 2::
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 import warnings
@@ -44,6 +45,23 @@ def fail(message: str) -> None:
     raise SystemExit(EXIT_USER_ERROR)
 
 
+def unknown_option(name: str, possibilities) -> str:
+    """The refusal of an unknown flag, suggesting only flags that look like it.
+
+    >>> unknown_option("--gpus", ["--gpu", "--tp", "--units"])
+    'No such option: --gpus; did you mean --gpu?'
+    >>> unknown_option("--colour", ["--gpu", "--tp"])
+    "No such option: --colour (see the command's --help)"
+    """
+    bare = {option.lstrip("-"): option for option in possibilities}
+    wanted = name.lstrip("-")
+    close = [b for b in bare if wanted and b.startswith(wanted)][:2]
+    close = close or difflib.get_close_matches(wanted, list(bare), n=2, cutoff=0.7)
+    if close:
+        return f"No such option: {name}; did you mean {' or '.join(bare[c] for c in close)}?"
+    return f"No such option: {name} (see the command's --help)"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``vramplan`` script. Warnings from the libraries underneath
     (torch, transformers) are held back: after a refusal only the one error line is
@@ -68,6 +86,8 @@ def _run(argv: list[str] | None) -> int:
         fail(str(exc))
     except click_exceptions.NoArgsIsHelpError:
         return 0
+    except click_exceptions.NoSuchOption as exc:
+        fail(unknown_option(exc.option_name, exc.possibilities or ()))
     except click_exceptions.UsageError as exc:
         fail(exc.format_message().replace("\n", " "))
     except click_exceptions.ClickException as exc:
