@@ -10,6 +10,7 @@ vramplan.plan("hf:meta-llama-3-8b", gpu="a100-80gb", batch_size=8, seq_len=4096)
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -33,21 +34,8 @@ from vramplan.result import Estimate
 from vramplan.session import Session
 from vramplan.sources.user_code import leading_dim, meta_copy
 
-SESSION_OPTIONS = (
-    "gpu",
-    "gpu_memory",
-    "headroom",
-    "alloc_conf",
-    "cudnn_benchmark",
-    "profile",
-    "stack",
-    "used_counter",
-    "target",
-    "framework",
-    "example_batch",
-    "loss_fn",
-    "timeout",
-)
+SESSION_OPTIONS = tuple(inspect.signature(Session).parameters)[1:]
+"""The keyword options of ``Session`` (everything after the model)."""
 
 
 def _split(options: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Annotated
 
 import typer
@@ -88,26 +89,15 @@ def recipe_from_options(options: dict) -> Recipe:
     return Recipe(**knobs, **finetune_from_options(options))
 
 
-SESSION_OPTIONS = (
-    "timeout",
-    "gpu",
-    "gpu_memory",
-    "headroom",
-    "alloc_conf",
-    "cudnn_benchmark",
-    "profile",
-    "stack",
-    "used_counter",
-    "target",
-    "framework",
-    "full_trace",
-)
-
-
 def session_from_options(options: dict, **extra) -> vramplan.Session:
     """The Session a command's device options ask for (read by name from ``options``, e.g.
     the command's ``locals()``; those it does not have keep the Session's defaults)."""
-    chosen = {name: options[name] for name in SESSION_OPTIONS if name in options}
+    accepted = inspect.signature(vramplan.Session).parameters
+    chosen = {
+        name: options[name]
+        for name in accepted
+        if name != "model" and name in options and name not in extra
+    }
     return vramplan.Session(options["model"], **chosen, **extra)
 
 
