@@ -302,6 +302,8 @@ FLAGS = [
     ("seq-too-long", ["--seq-len", "100000"], "64 learned positions"),
     ("precision", ["--precision", "fp8"], "unknown precision"),
     ("optimizer", ["--optimizer", "adamm"], "unknown optimizer"),
+    ("optimizer-impl", ["--optimizer-impl", "vectorised"], "unknown optimizer implementation"),
+    ("fused-lion", ["--optimizer", "lion", "--optimizer-impl", "fused"], "torch.optim"),
     ("checkpointing-negative", ["--checkpointing", "-1"], "checkpointing"),
     ("checkpointing-word", ["--checkpointing", "half"], "checkpointing"),
     ("checkpointing-beyond", ["--checkpointing", "1000"], "has 2 repeated blocks"),

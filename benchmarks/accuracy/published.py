@@ -67,6 +67,7 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
         optimizer=row["optimizer"],
         checkpointing=row["checkpointing"],
         grad_accum=int(row["grad_accum"]),
+        optimizer_impl=row.get("optimizer_impl") or "auto",
     )
     counter = row.get("used_counter") or "nvml-v1"
     options = device_options(gpu=row["gpu"], used_counter=counter)

@@ -51,6 +51,14 @@ OptimizerOpt = Annotated[
         "| none.",
     ),
 ]
+OptimizerImplOpt = Annotated[
+    str,
+    typer.Option(
+        "--optimizer-impl",
+        help="auto | foreach | for-loop | fused: how torch.optim runs the step (auto: the "
+        "emulated PyTorch's default, foreach on CUDA since 2.0).",
+    ),
+]
 CheckpointingOpt = Annotated[
     str,
     typer.Option(
@@ -86,6 +94,8 @@ def recipe_from_options(options: dict) -> Recipe:
     """Validate a command's recipe options (read by name from ``options``, e.g. the
     command's ``locals()``) into a Recipe; a UserError on any bad value."""
     knobs = {name: options[name] for name in RECIPE_OPTIONS}
+    if "optimizer_impl" in options:
+        knobs["optimizer_impl"] = options["optimizer_impl"]
     return Recipe(**knobs, **finetune_from_options(options))
 
 
