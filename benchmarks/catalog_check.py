@@ -73,7 +73,8 @@ def main(words: list[str]) -> int:
         seconds = time.perf_counter() - start
         published = entry.params
         diff = (built - published) / published
-        ok = built == published if entry.params_exact else abs(built - published) <= rounding(published)
+        off = abs(built - published)
+        ok = off == 0 if entry.params_exact else off <= rounding(published)
         formula = formula_parameters(config)
         shown = "-" if formula is None else format(formula, ",")
         bad += not ok

@@ -45,7 +45,7 @@ class CatalogEntry:
         """The repository's name without its organisation."""
         return self.hub_id.split("/", 1)[1]
 
-    def keys(self) -> tuple[str, ...]:
+    def spellings(self) -> tuple[str, ...]:
         """Every lower-case spelling that names this entry."""
         return (self.hub_id.lower(), self.name.lower(), *(a.lower() for a in self.aliases))
 
@@ -81,7 +81,7 @@ def _by_key() -> dict[str, CatalogEntry]:
     for entry in catalog_entries():
         names[entry.name.lower()] = names.get(entry.name.lower(), 0) + 1
     for entry in catalog_entries():
-        for key in entry.keys():
+        for key in entry.spellings():
             if key == entry.name.lower() and names[key] > 1:
                 continue  # a bare name two organisations share names neither
             found.setdefault(key, entry)
@@ -114,7 +114,7 @@ def search(text: str) -> list[CatalogEntry]:
         entry
         for entry in catalog_entries()
         if all(
-            any(word in key for key in (*entry.keys(), entry.family.lower())) for word in words
+            any(word in key for key in (*entry.spellings(), entry.family.lower())) for word in words
         )
     ]
 

@@ -170,8 +170,8 @@ def _check_fields(label: str, data: dict[str, Any]) -> None:
     for key in _POSITIVE_INTS:
         if key not in data or (data[key] is None and key in _NULLABLE):
             continue
-        value = data[key]
-        if isinstance(value, bool) or not isinstance(value, int) or value < (0 if key in _MAY_BE_ZERO else 1):
+        value, least = data[key], 0 if key in _MAY_BE_ZERO else 1
+        if isinstance(value, bool) or not isinstance(value, int) or value < least:
             raise UserError(f"config {label}: {key} must be a positive integer, got {value!r}")
         if value > _MAX_SIZE:
             raise UserError(f"config {label}: {key} {value:,} is larger than any model's")
