@@ -39,7 +39,7 @@ from vramplan.planner.host import HostOptions
 from vramplan.planner.search import SearchResult, largest_fitting
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
-from vramplan.sources import BuiltModel, resolve
+from vramplan.sources import BuiltModel, resolve, with_source
 from vramplan.sources.user_code import leading_dim, module_source
 from vramplan.units import parse_bytes
 
@@ -105,8 +105,8 @@ class Session:
             raise UserError(f"unknown target {target!r}; choose cuda or cpu")
         if framework not in FRAMEWORKS:
             raise UserError(f"unknown framework {framework!r}; choose pytorch or tensorflow")
-        self.model = model
-        self.name = model if isinstance(model, str) else type(model).__name__
+        self.model = with_source(model) if isinstance(model, str) else model
+        self.name = self.model if isinstance(self.model, str) else type(model).__name__
         self.target = target
         self.framework = framework
         self.device = device_options(
