@@ -95,7 +95,9 @@ def llm(
         raise UserError("--qlora needs --lora-rank R (a positive rank)")
     prefix, _, name = with_source(model).partition(":")
     if prefix != "hf" or not name:
-        raise UserError(f"llm takes hf:NAME, a hub id ORG/NAME or hf:path/config.json, got {model!r}")
+        raise UserError(
+            f"llm takes hf:NAME, a hub id ORG/NAME or hf:path/config.json, got {model!r}"
+        )
     label, config = load_config_dict(name)
     validate_config(label, config)
     default_precision = precision is None
@@ -171,7 +173,5 @@ def find_models(text: str = "", source: str | None = None) -> list[ModelMatch]:
             if source == library:
                 raise
             continue
-        found += [
-            ModelMatch(f"{library}:{n}") for n in names if all(w in n.lower() for w in words)
-        ]
+        found += [ModelMatch(f"{library}:{n}") for n in names if all(w in n.lower() for w in words)]
     return found
