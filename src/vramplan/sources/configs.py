@@ -50,7 +50,8 @@ def load_config_dict(name: str) -> tuple[str, dict[str, Any]]:
     """The config a name points to and a label for it, looked for in order: a path to a
     config.json (or its folder); for a hub id ``ORG/NAME[@REVISION]`` the Hub's cache
     (``HF_HUB_CACHE``, ``HF_HOME``), then the Hub when online and ``HF_HUB_OFFLINE`` is not
-    set; then the bundled catalog (hub ids, repository names, short aliases)."""
+    set; then the bundled catalog (hub ids, repository names, short aliases), which also
+    answers for a bundled model the Hub refuses (gated, and the user not logged in)."""
     path = Path(name).expanduser()
     if path.is_dir():
         if not (path / "config.json").is_file():
@@ -63,12 +64,19 @@ def load_config_dict(name: str) -> tuple[str, dict[str, Any]]:
             raise UserError(f"config file not found: {path}")
         return _read_config(path)
     hub_id = parse_hub_id(name)
+    entry = find_entry(hub_id.repo if hub_id else name)
+    if hub_id is not None and hub_id.revision not in (None, "main"):
+        entry = None  # the catalog holds main's config only
     if hub_id is not None:
-        found = cached_config(hub_id) or download_config(hub_id)
+        found = cached_config(hub_id)
+        try:
+            found = found or download_config(hub_id)
+        except UserError:  # gated, private or gone: the bundled copy answers, if there is one
+            if entry is None:
+                raise
         if found is not None:
             return _read_config(found, hub_id.label)
-    entry = find_entry(hub_id.repo if hub_id else name)
-    if entry is not None and (hub_id is None or hub_id.revision in (None, "main")):
+    if entry is not None:
         return entry.hub_id, entry_config(entry)
     if hub_id is None and "/" not in name and ":" not in name and name.strip():
         found = cached_config(HubId(name.strip()))  # the Hub's old ids without an org

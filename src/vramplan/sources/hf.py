@@ -42,9 +42,11 @@ def _make_config(transformers, name: str, data: dict[str, Any]):
     try:
         config_class = transformers.CONFIG_MAPPING[model_type]
     except KeyError:
+        ships = " ships its own modeling code (auto_map) and" if data.get("auto_map") else ""
         raise UserError(
-            f"config {name}: model_type {model_type!r} is not in transformers "
-            f"{transformers.__version__} (custom code is not run: trust_remote_code stays off)"
+            f"config {name}{ships}: model_type {model_type!r} is not in transformers "
+            f"{transformers.__version__}; vramplan runs no code from a model repository "
+            "(trust_remote_code stays off)"
         ) from None
     fields = {
         k: v
@@ -139,10 +141,12 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     label, data = load_config_dict(name)
     config = _make_config(transformers, label, data)
     model_class = _model_class(transformers, config, label)
+    # transformers' own choice: SDPA where the model supports it (Gemma 2 does not: eager)
+    default_attention = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
     try:
         with torch.device(device):
             model = model_class._from_config(
-                config, attn_implementation=data.get("attn_implementation", "sdpa")
+                config, attn_implementation=data.get("attn_implementation", default_attention)
             )
     except Exception as exc:  # a config transformers accepts but cannot build
         reason = " ".join(str(exc).split())
