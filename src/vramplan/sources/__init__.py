@@ -80,9 +80,9 @@ def __getattr__(name: str):
 
 
 def model_names(source: str) -> list[str]:
-    """Names ``source:NAME`` accepts (``hf``: the bundled configs).
+    """Names ``source:NAME`` accepts (``hf``: the bundled configs' hub ids).
 
-    >>> "gpt2" in model_names("hf")
+    >>> "openai-community/gpt2" in model_names("hf")
     True
     """
     if source == "hf":
