@@ -183,4 +183,76 @@ def test_remote_code_is_not_run(hub_cache, run_cli):
     write_cached(hub_cache, "acme/custom", custom)
     code, _, err = run_cli("estimate", "hf:acme/custom")
     assert code == 2 and err.count("\n") == 1
-    assert "ships its own modeling code" in err and "trust_remote_code stays off" in err
+    assert "ships its own modeling code" in err and "--trust-remote-code" in err
+
+
+ACME_CONFIG_CODE = """
+from transformers import PretrainedConfig
+
+class AcmeConfig(PretrainedConfig):
+    model_type = "acme_tiny"
+
+    def __init__(self, hidden_size=8, num_hidden_layers=2, vocab_size=16, **kwargs):
+        self.hidden_size, self.num_hidden_layers = hidden_size, num_hidden_layers
+        self.vocab_size = vocab_size
+        super().__init__(**kwargs)
+"""
+ACME_MODEL_CODE = """
+import torch
+from torch import nn
+from transformers import PreTrainedModel
+from transformers.modeling_outputs import CausalLMOutput
+from .configuration_acme import AcmeConfig
+
+class AcmeForCausalLM(PreTrainedModel):
+    config_class = AcmeConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            nn.Linear(config.hidden_size, config.hidden_size)
+            for _ in range(config.num_hidden_layers)
+        )
+        self.head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.post_init()
+
+    def forward(self, input_ids, labels=None, **kwargs):
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = torch.relu(layer(x))
+        logits = self.head(x)
+        loss = None
+        if labels is not None:
+            loss = nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return CausalLMOutput(loss=loss, logits=logits)
+"""
+
+
+def test_a_repositorys_own_code_runs_only_when_trusted(tmp_path, run_cli):
+    folder = tmp_path / "acme"
+    folder.mkdir()
+    (folder / "configuration_acme.py").write_text(ACME_CONFIG_CODE)
+    (folder / "modeling_acme.py").write_text(ACME_MODEL_CODE)
+    config = {
+        "model_type": "acme_tiny",
+        "architectures": ["AcmeForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_acme.AcmeConfig",
+            "AutoModelForCausalLM": "modeling_acme.AcmeForCausalLM",
+        },
+        "hidden_size": 8,
+        "num_hidden_layers": 2,
+        "vocab_size": 16,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    code, out, err = run_cli("estimate", f"hf:{folder}", "--seq-len", "4")
+    assert code == 2 and out == "" and "--trust-remote-code" in err
+    code, out, err = run_cli(
+        "estimate", f"hf:{folder}", "--seq-len", "4", "--trust-remote-code", "--json"
+    )
+    assert code == 0, err
+    model = json.loads(out)["model"]
+    # embedding 16x8, two 8x8 layers with biases, an 8x16 head
+    assert model["architecture"] == "AcmeForCausalLM"
+    assert model["parameters"] == 16 * 8 + 2 * (8 * 8 + 8) + 8 * 16

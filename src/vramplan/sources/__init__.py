@@ -17,10 +17,13 @@ if TYPE_CHECKING:
 PREFIXES = ("torchvision", "timm", "hf")
 
 
-def resolve(spec: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
+def resolve(
+    spec: str, recipe: Recipe, device: str = "meta", trust_remote_code: bool = False
+) -> BuiltModel:
     """``torchvision:NAME``, ``timm:NAME``, ``hf:NAME`` (or ``hf:path/config.json``), a bare
     hub id ``ORG/NAME``, ``path/to/file.py:factory`` or ``package.module:factory``; built on
-    the meta device (for tracing) or, for a real run, initialised on ``device``."""
+    the meta device (for tracing) or, for a real run, initialised on ``device``. A Hugging
+    Face repository's own modeling code runs only with ``trust_remote_code``."""
     spec = with_source(spec)
     prefix, sep, rest = spec.partition(":")
     if not sep or not rest:
@@ -31,7 +34,8 @@ def resolve(spec: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     if prefix in PREFIXES:
         from vramplan.sources.finetune import apply_finetune
 
-        return apply_finetune(_build_named(prefix, rest, recipe, device), recipe, device)
+        built = _build_named(prefix, rest, recipe, device, trust_remote_code)
+        return apply_finetune(built, recipe, device)
     from vramplan.sources.user_code import build_from_factory
 
     return build_from_factory(spec, recipe, device)
@@ -53,7 +57,9 @@ def with_source(spec: str) -> str:
     return f"hf:{spec}"
 
 
-def _build_named(prefix: str, rest: str, recipe: Recipe, device: str) -> BuiltModel:
+def _build_named(
+    prefix: str, rest: str, recipe: Recipe, device: str, trust_remote_code: bool
+) -> BuiltModel:
     if prefix == "torchvision":
         from vramplan.sources.vision import build_torchvision
 
@@ -64,7 +70,7 @@ def _build_named(prefix: str, rest: str, recipe: Recipe, device: str) -> BuiltMo
         return build_timm(rest, recipe, device)
     from vramplan.sources.hf import build_hf
 
-    return build_hf(rest, recipe, device)
+    return build_hf(rest, recipe, device, trust_remote_code)
 
 
 __all__ = ["BuiltModel", "resolve", "with_source", "model_names", "PREFIXES"]
