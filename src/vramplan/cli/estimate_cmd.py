@@ -55,6 +55,7 @@ from vramplan.cli.options import (
     TimeoutOpt,
     TpOpt,
     TrainOnlyOpt,
+    TrustRemoteCodeOpt,
     UnitsOpt,
     UsedCounterOpt,
     WorldSizeOpt,
@@ -118,6 +119,7 @@ def estimate_command(
     pp: PpOpt = 1,
     microbatches: MicrobatchesOpt = 1,
     timeout: TimeoutOpt = 300.0,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
     full_trace: Annotated[

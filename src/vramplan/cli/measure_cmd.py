@@ -26,6 +26,7 @@ from vramplan.cli.options import (
     PrecisionOpt,
     SeqLen,
     TimeoutOpt,
+    TrustRemoteCodeOpt,
     UnitsOpt,
     recipe_from_options,
     session_from_options,
@@ -67,6 +68,7 @@ def measure_command(
     html: HtmlOpt = None,
     plot: PlotOpt = None,
     timeout: TimeoutOpt = 300.0,
+    trust_remote_code: TrustRemoteCodeOpt = False,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
 ) -> int:

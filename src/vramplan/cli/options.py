@@ -74,6 +74,14 @@ TargetOpt = Annotated[
         "--target", help="cuda (emulate an NVIDIA GPU, default) | cpu (what the CPU itself does)."
     ),
 ]
+TrustRemoteCodeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        help="Let a Hugging Face model run the modeling code its repository ships (auto_map); "
+        "off by default.",
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the vramplan.estimate/1 JSON object.")]
 UnitsOpt = Annotated[str, typer.Option("--units", help="binary (MiB/GiB) | decimal (MB/GB).")]
 
