@@ -256,3 +256,11 @@ def test_tensorflow_preallocates_the_card_and_growth_takes_the_need(tmp_path):
     assert limited.estimate(batch_size=32).details["tensorflow"]["takes_bytes"] == (
         tf["runtime_bytes"] + 2**30
     )
+
+
+def test_a_file_that_is_not_a_keras_zip_is_one_line(tmp_path):
+    path = tmp_path / "model.keras"
+    path.write_text("not a zip")
+    with pytest.raises(UserError, match="not a Keras 3 .keras file"):
+        resolve(f"keras:{path}", Recipe())
+    assert path.read_text() == "not a zip"
