@@ -7,8 +7,8 @@ traced the same way; TensorFlow's documented memory-limit arithmetic."""
 from __future__ import annotations
 
 import importlib.util
-import math
 import json
+import math
 import zipfile
 
 import pytest
@@ -130,7 +130,9 @@ class TorchBlock(nn.Module):
         self.norm2 = nn.LayerNorm(D, eps=1e-3)
 
     def forward(self, h):
-        q, k, v = (m(h).view(B, T, HEADS, HEAD_DIM).transpose(1, 2) for m in (self.q, self.k, self.v))
+        q, k, v = (
+            m(h).view(B, T, HEADS, HEAD_DIM).transpose(1, 2) for m in (self.q, self.k, self.v)
+        )
         attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(B, T, D)
         h = self.norm1(h + self.o(attended))
         return self.norm2(h + self.down(torch.relu(self.up(h))))
@@ -264,3 +266,24 @@ def test_a_file_that_is_not_a_keras_zip_is_one_line(tmp_path):
     with pytest.raises(UserError, match="not a Keras 3 .keras file"):
         resolve(f"keras:{path}", Recipe())
     assert path.read_text() == "not a zip"
+
+
+def test_dropout_and_build_time_constants_trace_under_a_mixed_policy():
+    """Dropout (seeded from a variable's value on the torch backend) and Normalization's
+    mean and variance (kept outside its variables, cast to fp16 at build) both run; the
+    variables stay fp32."""
+
+    def net():
+        x = keras.Input((8,))
+        h = keras.layers.Normalization(mean=0.5, variance=2.0)(x)
+        h = keras.layers.Dropout(0.5)(keras.layers.Dense(16)(h))
+        return keras.Model(x, keras.layers.Dense(4)(h))
+
+    recipe = Recipe(batch_size=4, precision="amp-fp16", optimizer="sgd")
+    reference = KerasBuild(keras, "mixed_float16")(net)
+    built = keras_source(keras, KerasBuild(keras, "mixed_float16")(net), recipe, "keras")
+    estimate = estimate_built(built, recipe, "cpu")
+    trainable = sum(math.prod(w.shape) for w in reference.trainable_weights)
+    assert estimate.model.trainable_parameters == trainable == 8 * 16 + 16 + 16 * 4 + 4
+    assert estimate.model.parameters == reference.count_params()
+    assert estimate.model.parameter_bytes == 4 * reference.count_params()

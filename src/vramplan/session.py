@@ -24,6 +24,7 @@ from vramplan.device.catalog import lookup_gpu
 from vramplan.device.measured import measured_for
 from vramplan.device.options import DEFAULT_GPU, device_options
 from vramplan.device.profile import profile_for
+from vramplan.device.tensorflow import tensorflow_memory, with_tensorflow
 from vramplan.distributed.facts import facts_of
 from vramplan.distributed.fsdp import engine_for, with_traced_layout
 from vramplan.distributed.layout import ParallelLayout, check_layout, per_rank
@@ -32,7 +33,6 @@ from vramplan.limits import DEFAULT_TIMEOUT, check_timeout, time_limit, user_cod
 from vramplan.measurement.compare import Comparison, errors_of
 from vramplan.measurement.leak import check_leak
 from vramplan.measurement.run import check_device, local_card, measure_built
-from vramplan.device.tensorflow import tensorflow_memory, with_tensorflow
 from vramplan.pipeline import estimate_built, trace_and_estimate
 from vramplan.planner.answer import PlanAnswer, answer_plan
 from vramplan.planner.bench import TraceEvent, TraceLog, Workbench, trace_label

@@ -13,6 +13,7 @@ import vramplan
 from vramplan.cli.app import app
 from vramplan.cli.options import (
     AllocConfOpt,
+    AllowCustomObjectsOpt,
     BatchSize,
     CheckpointingOpt,
     ComputeDtypeOpt,
@@ -51,6 +52,8 @@ from vramplan.cli.options import (
     SpOpt,
     StackOpt,
     TargetOpt,
+    TfMemoryGrowthOpt,
+    TfMemoryLimitOpt,
     TimeoutOpt,
     TpOpt,
     TrainOnlyOpt,
@@ -58,9 +61,6 @@ from vramplan.cli.options import (
     UsedCounterOpt,
     WorldSizeOpt,
     ZeroOpt,
-    AllowCustomObjectsOpt,
-    TfMemoryGrowthOpt,
-    TfMemoryLimitOpt,
     recipe_from_options,
     session_from_options,
 )

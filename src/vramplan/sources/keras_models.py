@@ -16,6 +16,7 @@ imports Keras, and refuses when Keras was already imported with another backend.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -236,6 +237,35 @@ def _variable_links(model) -> list[tuple[Any, dict, str]]:
     return links
 
 
+@contextlib.contextmanager
+def _unseeded_random() -> Iterator[None]:
+    """Keras's torch backend seeds each random op (dropout) from the integer value of a
+    seed variable, which fake tensors do not have: while tracing, random ops draw from
+    torch's default generator instead (the same shapes and dtypes)."""
+    from keras.src.backend.torch import random
+
+    seeded = random.torch_seed_generator
+    random.torch_seed_generator = lambda seed: None
+    try:
+        yield
+    finally:
+        random.torch_seed_generator = seeded
+
+
+def _materialize_constants(model) -> None:
+    """Tensors a layer computed at build time and keeps outside its variables (the
+    Normalization layer's mean and variance cast to the compute dtype) live on the meta
+    device: give them a storage (fake, while tracing)."""
+    for layer in _all_layers(model):
+        for name, value in list(vars(layer).items()):
+            if (
+                isinstance(value, torch.Tensor)
+                and not isinstance(value, nn.Parameter)
+                and value.device.type == "meta"
+            ):
+                layer.__dict__[name] = torch.empty(value.shape, dtype=value.dtype)
+
+
 def _input_shape(model, recipe: Recipe) -> tuple[int, ...]:
     if recipe.input_shape is not None:
         return recipe.input_shape
@@ -293,8 +323,18 @@ def build_keras(rest: str, recipe: Recipe, allow_custom_objects: bool = False) -
     return keras_source(keras, model, recipe, f"keras:{rest}")
 
 
+def _all_layers(model) -> list:
+    """Every Keras layer of ``model``, nested ones too (a functional model's layers are not
+    torch submodules)."""
+    return list(model._flatten_layers(include_self=True, recursive=True))
+
+
 def _conv_layers(model) -> list:
-    return [m for m in model.modules() if type(m).__name__.startswith(("Conv", "DepthwiseConv"))]
+    return [
+        layer
+        for layer in _all_layers(model)
+        if type(layer).__name__.startswith(("Conv", "DepthwiseConv", "SeparableConv"))
+    ]
 
 
 def keras_source(keras, model, recipe: Recipe, name: str) -> BuiltModel:
@@ -320,8 +360,9 @@ def keras_source(keras, model, recipe: Recipe, name: str) -> BuiltModel:
     def run(module: nn.Module, batch: Batch, training: bool) -> Any:
         for variable, slot, key in links:  # the tracer swapped the tensors: follow them
             variable._value = slot[key]
+        _materialize_constants(module)
         # Keras casts by its own dtype policy; torch's autocast stays out of the step.
-        with keras.device("cpu"), torch.autocast("cpu", enabled=False):
+        with keras.device("cpu"), torch.autocast("cpu", enabled=False), _unseeded_random():
             output = module(batch, training=training)
             if not training:
                 return output
