@@ -13,6 +13,7 @@ import typer
 from vramplan.cli.app import app
 from vramplan.cli.options import (
     AllocConfOpt,
+    AllowCustomObjectsOpt,
     BatchSize,
     CheckpointingOpt,
     ComputeDtypeOpt,
@@ -94,6 +95,7 @@ def max_batch_command(
     stack: StackOpt = None,
     used_counter: UsedCounterOpt = "nvml-v1",
     timeout: TimeoutOpt = 300.0,
+    allow_custom_objects: AllowCustomObjectsOpt = False,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
     quiet: QuietOpt = False,
@@ -145,6 +147,7 @@ def plan_command(
     html: HtmlOpt = None,
     plot: PlotOpt = None,
     timeout: TimeoutOpt = 300.0,
+    allow_custom_objects: AllowCustomObjectsOpt = False,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
     quiet: QuietOpt = False,

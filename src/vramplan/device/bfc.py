@@ -18,6 +18,10 @@ The rules, from ``xla/tsl/framework/bfc_allocator.cc`` (TensorFlow's
 * before failing, regions holding nothing are returned and the region retried
   (``DeallocateFreeRegions``, on unless ``TF_ENABLE_GPU_GARBAGE_COLLECTION=false``).
 
+Not modelled: ``TF_GPU_ALLOCATOR=cuda_malloc_async`` (CUDA's own pool), regions merged by
+a sub-allocator that supports coalescing, the timestamped chunks of multi-stream use, and
+the backpedal retry at 90% when cudaMalloc itself refuses a region.
+
 >>> MiB = 2**20
 >>> result = bfc_replay([(0, 3 * MiB, True), (0, 0, False)], limit=64 * MiB, growth=True)
 >>> result.peak_pool_bytes // MiB, result.peak_in_use_bytes // MiB  # 4 MiB chunk, not split
