@@ -20,6 +20,7 @@ if importlib.util.find_spec("keras") is None:
     pytest.skip("keras is not installed", allow_module_level=True)
 
 from vramplan import Session  # noqa: E402
+from vramplan.device.catalog import lookup_gpu  # noqa: E402
 from vramplan.errors import UserError  # noqa: E402
 from vramplan.pipeline import estimate_built, model_info  # noqa: E402
 from vramplan.recipe import Recipe  # noqa: E402
@@ -241,9 +242,6 @@ def test_tensorflow_preallocates_the_card_and_growth_takes_the_need(tmp_path):
     growth = Session(model, gpu="a100-40gb", framework="tensorflow", tf_memory_growth=True)
     grown = growth.estimate(batch_size=32)
     tf, tf_growth = default.details["tensorflow"], grown.details["tensorflow"]
-    card = 40 * 2**30  # A100-40GB as the catalog holds it
-    from vramplan.device.catalog import lookup_gpu
-
     card = lookup_gpu("a100-40gb").total_bytes
     available = card - tf["runtime_bytes"]
     # gpu_device.cc: the limit is the free memory less 1536 MiB on compute capability 8.x,
