@@ -8,6 +8,7 @@ was. Most cases run in-process (``run_cli``); a few run the installed command en
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -345,6 +346,12 @@ ESTIMATE_ONLY = [
     ("pp-beyond-layers", ["--pp", "5"], "larger than the 2 layers"),
     ("microbatches-zero", ["--pp", "2", "--microbatches", "0"], "at least 1"),
     ("sp-without-tp", ["--sp"], "--sp needs --tp"),
+    # TensorFlow's runtime (device/tensorflow.py)
+    ("tf-growth-alone", ["--tf-memory-growth"], "need --framework tensorflow"),
+    ("tf-limit-alone", ["--tf-memory-limit", "8GiB"], "need --framework tensorflow"),
+    ("tf-limit-word", ["--framework", "tensorflow", "--tf-memory-limit", "lots"], "memory limit"),
+    ("tf-limit-bare", ["--framework", "tensorflow", "--tf-memory-limit", "8"], "did you mean 8GiB"),
+    ("tf-target-cpu", ["--framework", "tensorflow", "--target", "cpu"], "models a GPU"),
 ]
 for name, flags, expected in ESTIMATE_ONLY:
     case(f"estimate-{name}", ["estimate", T, *flags], expected)
@@ -438,6 +445,13 @@ SPECS = [
     ("shape-mismatch", f"{M}:shape_mismatch", "failed on the example batch"),
     ("no-layers", f"{M}:no_layers", "pass --input-shape"),
 ]
+if importlib.util.find_spec("keras") is not None:  # keras: sources (sources/keras_models.py)
+    SPECS += [
+        ("keras-unknown", "keras:ResNet5", "did you mean ResNet50"),
+        ("keras-file-missing", "keras:{d}/missing.keras", "Keras file not found"),
+        ("keras-factory-missing", "keras:{d}/missing.py:make", "model file not found"),
+        ("keras-factory-not-keras", f"keras:{M}:mlp", "did not give a keras.Model"),
+    ]
 for name, spec, expected in SPECS:
     case(f"estimate-{name}", ["estimate", spec], expected)
 for command, extra in (("max-batch", CARD), ("plan", CARD), ("measure", ["--device", "cpu"])):

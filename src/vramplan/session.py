@@ -24,6 +24,7 @@ from vramplan.device.catalog import lookup_gpu
 from vramplan.device.measured import measured_for
 from vramplan.device.options import DEFAULT_GPU, device_options
 from vramplan.device.profile import profile_for
+from vramplan.device.tensorflow import tensorflow_memory, with_tensorflow
 from vramplan.distributed.facts import facts_of
 from vramplan.distributed.fsdp import engine_for, with_traced_layout
 from vramplan.distributed.layout import ParallelLayout, check_layout, per_rank
@@ -32,7 +33,7 @@ from vramplan.limits import DEFAULT_TIMEOUT, check_timeout, time_limit, user_cod
 from vramplan.measurement.compare import Comparison, errors_of
 from vramplan.measurement.leak import check_leak
 from vramplan.measurement.run import check_device, local_card, measure_built
-from vramplan.pipeline import estimate_built
+from vramplan.pipeline import estimate_built, trace_and_estimate
 from vramplan.planner.answer import PlanAnswer, answer_plan
 from vramplan.planner.bench import TraceEvent, TraceLog, Workbench, trace_label
 from vramplan.planner.host import HostOptions
@@ -103,6 +104,9 @@ class Session:
         progress: Callable[[TraceEvent], None] | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
         trust_remote_code: bool = False,
+        tf_memory_growth: bool = False,
+        tf_memory_limit: str | None = None,
+        allow_custom_objects: bool = False,
     ) -> None:
         if target not in TARGETS:
             raise UserError(f"unknown target {target!r}; choose cuda or cpu")
@@ -111,6 +115,16 @@ class Session:
         self.model = with_source(model) if isinstance(model, str) else model
         self.trust_remote_code = trust_remote_code
         self.name = self.model if isinstance(self.model, str) else type(model).__name__
+        # TensorFlow's runtime (device/tensorflow.py) and Keras files (sources/keras_models.py)
+        if framework != "tensorflow" and (tf_memory_growth or tf_memory_limit):
+            raise UserError("--tf-memory-growth and --tf-memory-limit need --framework tensorflow")
+        self.tf_memory_growth = tf_memory_growth
+        self.tf_memory_limit = (
+            None
+            if tf_memory_limit is None
+            else parse_bytes(tf_memory_limit, "TensorFlow memory limit", require_unit=True)
+        )
+        self.allow_custom_objects = allow_custom_objects
         self.target = target
         self.framework = framework
         self.device = device_options(
@@ -147,6 +161,8 @@ class Session:
         FSDP traced through FSDP2 on a fake process group, ZeRO/TP/PP by formula."""
         recipe = self._recipe(recipe, knobs)
         layout = layout or ParallelLayout()
+        if layout == ParallelLayout() and self.framework == "tensorflow":
+            return self._tensorflow(recipe)
         if layout == ParallelLayout():
             result = self._single(recipe)
         else:
@@ -272,7 +288,13 @@ class Session:
         if isinstance(self.model, nn.Module):
             built = module_source(self.model, recipe, self.name, self._example_batch, self._loss_fn)
         else:
-            built = resolve(self.model, recipe, device, self.trust_remote_code)
+            built = resolve(
+                self.model,
+                recipe,
+                device,
+                trust_remote_code=self.trust_remote_code,
+                allow_custom_objects=self.allow_custom_objects,
+            )
         built.repeat_blocks = not self.full_trace
         if recipe.seq_len is not None and not built.sequence:
             shape = "x".join(map(str, built.default_input_shape)) or "a fixed shape"
@@ -299,6 +321,22 @@ class Session:
         return self._timed(
             recipe, lambda: estimate_built(self._build(recipe), recipe, self.target, self.device)
         )
+
+    def _tensorflow(self, recipe: Recipe) -> Estimate:
+        """The step with TensorFlow's runtime: its memory limit, preallocation or memory
+        growth, and its BFC allocator replayed over the traced step."""
+        if self.target != "cuda":
+            raise UserError("--framework tensorflow models a GPU; leave --target cpu out")
+        if self.device.gpu is not None:
+            result, trace = self._workbench().run(recipe)
+        else:
+            result, trace = self._timed(
+                recipe, lambda: trace_and_estimate(self._build(recipe), recipe, "cuda", self.device)
+            )
+        memory = tensorflow_memory(
+            result, trace, self.device, self.tf_memory_growth, self.tf_memory_limit
+        )
+        return with_tensorflow(result, memory)
 
     def _per_rank(self, recipe: Recipe, layout: ParallelLayout) -> Estimate:
         engine = engine_for(layout)

@@ -13,6 +13,7 @@ import vramplan
 from vramplan.cli.app import app
 from vramplan.cli.options import (
     AllocConfOpt,
+    AllowCustomObjectsOpt,
     BatchSize,
     CheckpointingOpt,
     ComputeDtypeOpt,
@@ -52,6 +53,8 @@ from vramplan.cli.options import (
     SpOpt,
     StackOpt,
     TargetOpt,
+    TfMemoryGrowthOpt,
+    TfMemoryLimitOpt,
     TimeoutOpt,
     TpOpt,
     TrainOnlyOpt,
@@ -103,6 +106,9 @@ def estimate_command(
     stack: StackOpt = None,
     used_counter: UsedCounterOpt = "nvml-v1",
     framework: FrameworkOpt = "pytorch",
+    tf_memory_growth: TfMemoryGrowthOpt = False,
+    tf_memory_limit: TfMemoryLimitOpt = None,
+    allow_custom_objects: AllowCustomObjectsOpt = False,
     profile: ProfileOpt = None,
     html: HtmlOpt = None,
     plot: PlotOpt = None,

@@ -19,8 +19,8 @@ from vramplan import Recipe
 Model = Annotated[
     str,
     typer.Argument(
-        help="torchvision:NAME, timm:NAME, hf:NAME (or hf:path/config.json), file.py:factory, "
-        "package.module:factory",
+        help="torchvision:NAME, timm:NAME, hf:NAME (or hf:path/config.json), keras:NAME "
+        "(or keras:file.keras, keras:file.py:factory), file.py:factory, package.module:factory",
         show_default=False,
     ),
 ]
@@ -119,6 +119,29 @@ def session_from_options(options: dict, **extra) -> vramplan.Session:
     return vramplan.Session(options["model"], **chosen, **extra)
 
 
+# TensorFlow's runtime and Keras files (device/tensorflow.py, sources/keras_models.py)
+TfMemoryGrowthOpt = Annotated[
+    bool,
+    typer.Option(
+        "--tf-memory-growth",
+        help="TensorFlow: tf.config.experimental.set_memory_growth (take only what the "
+        "step needs instead of preallocating the card).",
+    ),
+]
+TfMemoryLimitOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--tf-memory-limit", help="TensorFlow: a logical device's memory_limit, e.g. 8GiB."
+    ),
+]
+AllowCustomObjectsOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-custom-objects",
+        help="keras:file.keras: import the modules its custom classes name (runs their code).",
+    ),
+]
+
 GpuOpt = Annotated[
     str | None,
     typer.Option(
@@ -164,7 +187,8 @@ FrameworkOpt = Annotated[
     str,
     typer.Option(
         "--framework",
-        help="pytorch | tensorflow (TensorFlow: explains its whole-card reservation).",
+        help="pytorch | tensorflow (TensorFlow: its memory limit, preallocation and BFC "
+        "allocator replayed over the step).",
     ),
 ]
 ProfileOpt = Annotated[

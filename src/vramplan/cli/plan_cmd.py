@@ -13,6 +13,7 @@ import typer
 from vramplan.cli.app import app
 from vramplan.cli.options import (
     AllocConfOpt,
+    AllowCustomObjectsOpt,
     BatchSize,
     CheckpointingOpt,
     ComputeDtypeOpt,
@@ -98,6 +99,7 @@ def max_batch_command(
     used_counter: UsedCounterOpt = "nvml-v1",
     timeout: TimeoutOpt = 300.0,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    allow_custom_objects: AllowCustomObjectsOpt = False,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
     quiet: QuietOpt = False,
@@ -151,6 +153,7 @@ def plan_command(
     plot: PlotOpt = None,
     timeout: TimeoutOpt = 300.0,
     trust_remote_code: TrustRemoteCodeOpt = False,
+    allow_custom_objects: AllowCustomObjectsOpt = False,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
     quiet: QuietOpt = False,

@@ -18,19 +18,31 @@ PREFIXES = ("torchvision", "timm", "hf")
 
 
 def resolve(
-    spec: str, recipe: Recipe, device: str = "meta", trust_remote_code: bool = False
+    spec: str,
+    recipe: Recipe,
+    device: str = "meta",
+    trust_remote_code: bool = False,
+    allow_custom_objects: bool = False,
 ) -> BuiltModel:
     """``torchvision:NAME``, ``timm:NAME``, ``hf:NAME`` (or ``hf:path/config.json``), a bare
-    hub id ``ORG/NAME``, ``path/to/file.py:factory`` or ``package.module:factory``; built on
-    the meta device (for tracing) or, for a real run, initialised on ``device``. A Hugging
-    Face repository's own modeling code runs only with ``trust_remote_code``."""
+    hub id ``ORG/NAME``, ``keras:NAME|file.keras|file.py:factory``, ``path/to/file.py:factory``
+    or ``package.module:factory``; built on the meta device (for tracing) or, for a real run,
+    initialised on ``device``. A Hugging Face repository's own modeling code runs only with
+    ``trust_remote_code``; ``allow_custom_objects`` lets a ``.keras`` file's custom classes
+    be imported."""
     spec = with_source(spec)
     prefix, sep, rest = spec.partition(":")
     if not sep or not rest:
         raise UserError(
             f"cannot read model {spec!r}: use torchvision:NAME, timm:NAME, hf:NAME, "
-            "a hub id ORG/NAME, path/to/file.py:factory or package.module:factory"
+            "a hub id ORG/NAME, keras:NAME, path/to/file.py:factory or package.module:factory"
         )
+    if prefix == "keras":
+        if device != "meta":
+            raise UserError("keras: models are estimated only; measure runs PyTorch models")
+        from vramplan.sources.keras_models import build_keras
+
+        return build_keras(rest, recipe, allow_custom_objects)
     if prefix in PREFIXES:
         from vramplan.sources.finetune import apply_finetune
 

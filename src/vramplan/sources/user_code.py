@@ -27,7 +27,7 @@ from vramplan.sources.blocks import checkpoint_repeated_blocks, true_repeated_bl
 DEFAULT_SEQ_LEN = 512
 
 
-def _load_factory(spec: str) -> Callable[[], Any]:
+def load_factory(spec: str) -> Callable[[], Any]:
     target, _, attr = spec.rpartition(":")
     if not target or not attr:
         raise UserError(
@@ -226,7 +226,7 @@ def meta_copy(model: nn.Module) -> nn.Module:
 
 def build_from_factory(spec: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     """Import the user's factory and call it on the meta device (or ``device``)."""
-    factory = _load_factory(spec)
+    factory = load_factory(spec)
     try:
         with time_limit(f"factory {spec}"), torch.device(device):
             model = factory()
