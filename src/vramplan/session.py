@@ -37,6 +37,7 @@ from vramplan.planner.answer import PlanAnswer, answer_plan
 from vramplan.planner.bench import TraceEvent, TraceLog, Workbench, trace_label
 from vramplan.planner.host import HostOptions
 from vramplan.planner.search import SearchResult, largest_fitting
+from vramplan.planner.serving import ServeOptions, ServingPlan, plan_serving
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.sources import BuiltModel, resolve
@@ -240,6 +241,23 @@ class Session:
             measured,
             errors_of(estimate, measured),
             check_leak(measured.after_step_bytes),
+        )
+
+    @_limited
+    def serve(self, *, precision: str = "bf16", **options: Any) -> ServingPlan:
+        """What a serving engine (vLLM) reserves on this session's card and the KV cache
+        left: ``gpu_memory_utilization``, ``max_model_len``, ``tp``, ``max_num_seqs``,
+        ``max_num_batched_tokens``, ``kv_cache_dtype``, ``block_size`` as its flags."""
+        unknown = sorted(set(options) - set(ServeOptions.__dataclass_fields__) - {"dtype"})
+        if unknown:
+            raise UserError(f"unknown serve option {unknown[0]!r}")
+        serve_options = ServeOptions(**options, dtype=precision)
+        if self.device.gpu is None:
+            raise UserError("serve needs a card (--gpu): the engine's budget is a share of it")
+        built = self._build(Recipe(mode="infer"))
+        return self.log.timed(
+            f"{self.name} served by {serve_options.engine}",
+            lambda: plan_serving(built, serve_options, self.device),
         )
 
     def batch_curve_points(self, estimate: Estimate, layout: ParallelLayout | None = None):

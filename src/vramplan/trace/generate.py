@@ -36,7 +36,7 @@ from vramplan.trace.policy import DevicePolicy
 from vramplan.trace.recorder import AllocationRecorder, StorageRecord
 from vramplan.trace.step import prepare_model_for, tracing
 
-GROWTH_STEPS = 512
+GROWTH_STEPS = 256
 """Decode steps whose cache growth is recorded one by one; more grow in equal strides."""
 DEFAULT_PROMPT = 512
 PREFILL, DECODE = 1, 2
@@ -132,7 +132,7 @@ class _Slot:
 
     @property
     def per_token(self) -> int:
-        return self.batch * self.heads * self.dim * torch.empty((), dtype=self.dtype).element_size()
+        return self.batch * self.heads * self.dim * self.dtype.itemsize
 
 
 def _slots(cache: Any) -> list[_Slot]:
@@ -174,6 +174,7 @@ def grow_cache(recorder: AllocationRecorder, cache: Any, lengths: list[int]) -> 
                 held[index] = record
                 continue
             full = torch.empty(slot.batch, slot.heads, stored, slot.dim, dtype=slot.dtype)
+            recorder.record_for(full).tags.add(Component.KV_CACHE)
             if index in held:
                 recorder.note_free(held[index])
             visible = stored if window is None else min(stored, window - 1)
