@@ -276,8 +276,9 @@ def plan_serving(built: BuiltModel, options: ServeOptions, device: DeviceOptions
         f"emulates {table['version']}: KV cache = total × gpu_memory_utilization − weights − "
         "profile-run peak − memory outside PyTorch",
         f"profile run: {options.max_num_batched_tokens} tokens, "
-        f"{min(options.max_num_seqs, options.max_num_batched_tokens)} sampled sequences (the forward traced through transformers' implementation, "
-        "the sampler through vLLM's sampling ops)",
+        f"{min(options.max_num_seqs, options.max_num_batched_tokens)} sampled sequences "
+        "(the forward traced through transformers' implementation, the sampler through "
+        "vLLM's sampling ops)",
         f"CUDA graphs (about {table['cuda_graph_bytes']['typical'] / 2**30:.1f} GiB, measured "
         "by others) are captured after the KV cache, in the share above the utilization line",
     ]
