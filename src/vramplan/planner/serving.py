@@ -18,7 +18,7 @@ vLLM's ``Sampler`` runs), and the KV cache is paged in blocks::
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import cache
 from importlib import resources
 from typing import Any
@@ -30,7 +30,7 @@ from vramplan.device.catalog import GpuSpec
 from vramplan.device.options import DeviceOptions
 from vramplan.device.runtime import driver_reserved_bytes
 from vramplan.errors import UserError
-from vramplan.pipeline import estimate_user_step
+from vramplan.pipeline import estimate_built
 from vramplan.recipe import Recipe
 from vramplan.result import Component
 from vramplan.sources.base import BuiltModel
@@ -233,28 +233,28 @@ def profile_run_peak(built: BuiltModel, options: ServeOptions, device: DeviceOpt
     rows = min(options.max_num_seqs, tokens)
     sampler = serving_table()[options.engine]["sampler"]
     generator = built.generator
-    if generator is None:
-        raise UserError(f"serve: {built.name} is not a causal language model vLLM would serve")
 
-    def step(model: nn.Module, ids: torch.Tensor, _optimizer: Any) -> None:
+    def make_batch(_batch_size: int, _dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(1, tokens, dtype=torch.long)
+
+    def run(model: nn.Module, ids: torch.Tensor, _training: bool) -> torch.Tensor:
         kwargs = {"logits_to_keep": rows} if generator.keeps_last_logits else {}
         output = model(input_ids=ids, use_cache=False, **kwargs)
         logits = output.logits[0, -rows:]
         del output
-        sample_like_vllm(logits, sampler["temperature"], sampler["top_p"])
+        return sample_like_vllm(logits, sampler["temperature"], sampler["top_p"])
 
-    model = built.model.to(DTYPES[options.dtype])
-    model.eval()
-    ids = torch.zeros(1, tokens, dtype=torch.long, device="meta")
+    profile = replace(built, make_batch=make_batch, run=run, notes=list(built.notes))
     recipe = Recipe(batch_size=1, seq_len=tokens, precision=options.dtype, mode="infer")
-    with torch.no_grad():
-        estimate = estimate_user_step(step, model, ids, None, recipe, 1, built.name, "cuda", device)
+    estimate = estimate_built(profile, recipe, "cuda", device)
     resident = estimate.components[Component.PARAMETERS] + estimate.components[Component.BUFFERS]
     return estimate.peak.allocated_bytes - resident
 
 
 def plan_serving(built: BuiltModel, options: ServeOptions, device: DeviceOptions) -> ServingPlan:
     """vLLM's start-up accounting for ``built`` on ``device``'s card."""
+    if built.generator is None:
+        raise UserError(f"serve: {built.name} is not a causal language model vLLM would serve")
     gpu = device.card
     table = serving_table()[options.engine]
     config = built.model.config
