@@ -94,7 +94,10 @@ class ServeOptions:
                 + ", ".join(KV_CACHE_DTYPES)
             )
         if self.dtype not in DTYPES:
-            raise UserError(f"unknown --dtype {self.dtype!r}; choose bf16 or fp16")
+            raise UserError(
+                f"--precision {self.dtype}: the engine serves half-precision weights; "
+                "choose bf16 or fp16"
+            )
 
 
 @dataclass(frozen=True)
@@ -226,8 +229,9 @@ def sample_like_vllm(logits: torch.Tensor, temperature: float, top_p: float) -> 
 
 def profile_run_peak(built: BuiltModel, options: ServeOptions, device: DeviceOptions) -> int:
     """The peak of vLLM's ``profile_run`` above the weights: a forward over
-    ``max_num_batched_tokens`` tokens, logits of ``min(max_num_seqs, tokens)`` positions,
-    and the dummy sampling of them (allocated bytes, as ``torch.cuda.max_memory_allocated``
+    ``max_num_batched_tokens`` tokens as ``min(max_num_seqs, tokens)`` sequences of equal
+    length (``_dummy_run``'s split), the last position's logits of each, and the dummy
+    sampling of them (allocated bytes, as ``torch.cuda.max_memory_allocated``
     counts them, on the card)."""
     tokens = options.max_num_batched_tokens
     rows = min(options.max_num_seqs, tokens)
@@ -235,17 +239,17 @@ def profile_run_peak(built: BuiltModel, options: ServeOptions, device: DeviceOpt
     generator = built.generator
 
     def make_batch(_batch_size: int, _dtype: torch.dtype) -> torch.Tensor:
-        return torch.zeros(1, tokens, dtype=torch.long)
+        return torch.zeros(rows, tokens // rows, dtype=torch.long)
 
     def run(model: nn.Module, ids: torch.Tensor, _training: bool) -> torch.Tensor:
-        kwargs = {"logits_to_keep": rows} if generator.keeps_last_logits else {}
+        kwargs = {"logits_to_keep": 1} if generator.keeps_last_logits else {}
         output = model(input_ids=ids, use_cache=False, **kwargs)
-        logits = output.logits[0, -rows:]
+        logits = output.logits[:, -1]
         del output
         return sample_like_vllm(logits, sampler["temperature"], sampler["top_p"])
 
     profile = replace(built, make_batch=make_batch, run=run, notes=list(built.notes))
-    recipe = Recipe(batch_size=1, seq_len=tokens, precision=options.dtype, mode="infer")
+    recipe = Recipe(batch_size=rows, seq_len=tokens // rows, precision=options.dtype, mode="infer")
     estimate = estimate_built(profile, recipe, "cuda", device)
     resident = estimate.components[Component.PARAMETERS] + estimate.components[Component.BUFFERS]
     return estimate.peak.allocated_bytes - resident
