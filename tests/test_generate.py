@@ -189,3 +189,8 @@ def test_generation_knobs_belong_to_generate_mode():
 def test_learned_positions_bound_the_generation(gpt2_config):
     with pytest.raises(UserError, match="64 learned positions"):
         Session(f"hf:{gpt2_config()}").estimate(mode="generate", prompt_len=60, new_tokens=10)
+
+
+def test_searching_a_generation_needs_generate_mode(config_path):
+    with pytest.raises(UserError, match="add --mode generate"):
+        Session(config_path(2), gpu="t4").max_batch(search="prompt-len")

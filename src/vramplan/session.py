@@ -51,6 +51,10 @@ SEARCHES = {
     "batch-size": "batch_size",
     "seq_len": "seq_len",
     "seq-len": "seq_len",
+    "prompt_len": "prompt_len",
+    "prompt-len": "prompt_len",
+    "new_tokens": "new_tokens",
+    "new-tokens": "new_tokens",
 }
 TENSORFLOW_NOTE = (
     "TensorFlow reserves nearly the whole card at start-up unless memory growth is on "
@@ -160,8 +164,17 @@ class Session:
         with headroom, confirmed by tracing N (fits) and N + 1 (does not)."""
         knob = SEARCHES.get(search)
         if knob is None:
-            raise UserError(f"unknown search {search!r}; choose batch-size or seq-len")
+            raise UserError(
+                f"unknown search {search!r}; choose batch-size, seq-len, prompt-len or new-tokens"
+            )
         recipe = self._recipe(recipe, knobs)
+        if knob in ("prompt_len", "new_tokens"):
+            if recipe.mode != "generate":
+                raise UserError(f"--search {search} searches a generation: add --mode generate")
+            start = getattr(recipe, knob) or (recipe.seq_len if knob == "prompt_len" else None)
+            if knob == "prompt_len":
+                recipe = recipe.with_changes(seq_len=None)
+            return largest_fitting(self._workbench(), recipe, knob, start=start)
         if knob == "seq_len" and not self._build(recipe).sequence:
             raise UserError(
                 f"--search seq-len: {self.name} has no sequence length to search "
