@@ -194,3 +194,23 @@ def test_learned_positions_bound_the_generation(gpt2_config):
 def test_searching_a_generation_needs_generate_mode(config_path):
     with pytest.raises(UserError, match="add --mode generate"):
         Session(config_path(2), gpu="t4").max_batch(search="prompt-len")
+
+
+def test_a_4bit_decode_step_of_one_sequence_dequantizes_nothing(config_path):
+    """bitsandbytes' matmul_4bit: the prefill dequantizes each weight to the compute
+    dtype; one row without gradient (a decode step of batch 1) runs gemv_4bit instead."""
+    recipe = Recipe(
+        mode="generate", prompt_len=16, new_tokens=3, precision="bf16", quantize="nf4"
+    )
+    _, trace = trace_and_estimate(resolve(config_path(2), recipe), recipe)
+    dequantized = HIDDEN * 128 * 2  # gate_proj's weight in bf16
+
+    def gate(iteration: int) -> list[int]:
+        return [
+            a.nbytes
+            for a in trace.allocations
+            if a.module.endswith("mlp.gate_proj") and a.iteration == iteration
+        ]
+
+    assert dequantized in gate(PREFILL)
+    assert gate(PREFILL + 1) and max(gate(PREFILL + 1)) < dequantized
