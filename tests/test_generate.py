@@ -199,9 +199,7 @@ def test_searching_a_generation_needs_generate_mode(config_path):
 def test_a_4bit_decode_step_of_one_sequence_dequantizes_nothing(config_path):
     """bitsandbytes' matmul_4bit: the prefill dequantizes each weight to the compute
     dtype; one row without gradient (a decode step of batch 1) runs gemv_4bit instead."""
-    recipe = Recipe(
-        mode="generate", prompt_len=16, new_tokens=3, precision="bf16", quantize="nf4"
-    )
+    recipe = Recipe(mode="generate", prompt_len=16, new_tokens=3, precision="bf16", quantize="nf4")
     _, trace = trace_and_estimate(resolve(config_path(2), recipe), recipe)
     dequantized = HIDDEN * 128 * 2  # gate_proj's weight in bf16
 

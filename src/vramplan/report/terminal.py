@@ -111,6 +111,8 @@ def render_estimate(est: Estimate, units: Units = "binary", console: Console | N
     )
     console.print(f"[bold]{est.model.name}[/bold] ({about}) — {_recipe_line(est)}")
     when = f" in {peak.phase}, iteration {peak.iteration}" if est.method == "trace" else ""
+    if est.recipe.mode == "generate" and est.method == "trace":
+        when = " in the prefill" if peak.iteration == 1 else " in the last decode step"
     label = "Peak allocated" if est.method == "trace" else f"Total ({est.method})"
     console.print(
         f"{label}: [bold]{fmt(peak.allocated_bytes)}[/bold] ({peak.allocated_bytes:,} bytes){when}"
