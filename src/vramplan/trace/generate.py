@@ -273,7 +273,9 @@ def generation_notes(recipe: Recipe, shape: GenerationShape, keeps_last: bool) -
 def generation_details(trace: Trace, recipe: Recipe) -> dict[str, int]:
     """The figures of a traced generation (tensor bytes, before the allocator's rounding):
     the peaks of the prefill and of the last decode step, the cache at the end, and the
-    cache per token of one sequence."""
+    cache per token of one sequence (read from the cache the prefill wrote, whose every
+    layer holds each prompt token — a static cache each of its positions — before any
+    sliding window drops one)."""
     shape = generation_shape(recipe)
     peaks = {PREFILL: 0, DECODE: 0}
     live = 0
@@ -290,6 +292,12 @@ def generation_details(trace: Trace, recipe: Recipe) -> dict[str, int]:
     tokens = (
         shape.final_cache_len if shape.decode_steps or shape.cache == "static" else shape.prompt
     )
+    prefilled = sum(
+        a.nbytes
+        for a in trace.allocations
+        if a.category == Component.KV_CACHE and a.iteration == PREFILL
+    )
+    written = shape.final_cache_len if shape.cache == "static" else shape.prompt
     return {
         "prompt_tokens": shape.prompt,
         "new_tokens": shape.new_tokens,
@@ -299,5 +307,5 @@ def generation_details(trace: Trace, recipe: Recipe) -> dict[str, int]:
         "decode_peak_bytes": peaks[DECODE],
         "kv_cache_bytes": cache,
         "kv_cache_tokens": tokens,
-        "kv_bytes_per_token": cache // (shape.sequences * tokens),
+        "kv_bytes_per_token": prefilled // (shape.sequences * written),
     }
