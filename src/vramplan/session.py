@@ -261,7 +261,8 @@ class Session:
         """What a serving engine (vLLM) reserves on this session's card and the KV cache
         left: ``gpu_memory_utilization``, ``max_model_len``, ``tp``, ``max_num_seqs``,
         ``max_num_batched_tokens``, ``kv_cache_dtype``, ``block_size`` as its flags."""
-        unknown = sorted(set(options) - set(ServeOptions.__dataclass_fields__) - {"dtype"})
+        allowed = set(ServeOptions.__dataclass_fields__) - {"dtype"}  # given as precision
+        unknown = sorted(set(options) - allowed)
         if unknown:
             raise UserError(f"unknown serve option {unknown[0]!r}")
         serve_options = ServeOptions(**options, dtype=precision)
