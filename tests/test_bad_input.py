@@ -361,6 +361,7 @@ GENERATION = [
 for name, flags, expected in GENERATION:
     case(f"estimate-{name}", ["estimate", T, *flags], expected)
 case("estimate-generate-cnn", ["estimate", f"{M}:cnn", *GEN], "not a causal language model")
+case("measure-generate", ["measure", T, *GEN, "--device", "cpu"], "not measured yet")
 SERVE = ["serve", T, "--gpu", "h100"]
 for name, flags, expected in [
     ("utilization-zero", ["--gpu-memory-utilization", "0"], "must be in (0, 1]"),

@@ -225,6 +225,11 @@ class Session:
                 "measure runs a model by its source name; an nn.Module's own "
                 "weights would be trained"
             )
+        if recipe.mode == "generate":
+            raise UserError(
+                "measure runs training or inference steps; --mode generate is estimated, "
+                "not measured yet"
+            )
         device = check_device(device, steps)
         if snapshot is not None and device != "cuda":
             raise UserError(
