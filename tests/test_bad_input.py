@@ -355,6 +355,35 @@ ESTIMATE_ONLY = [
 ]
 for name, flags, expected in ESTIMATE_ONLY:
     case(f"estimate-{name}", ["estimate", T, *flags], expected)
+
+# -- generation and serving (issue 21) ---------------------------------------------------------
+GEN = ["--mode", "generate"]
+GENERATION = [
+    ("new-tokens-zero", [*GEN, "--new-tokens", "0"], "new tokens must be a positive integer"),
+    ("prompt-negative", [*GEN, "--prompt-len", "-3"], "prompt len must be a positive integer"),
+    ("beams-zero", [*GEN, "--num-beams", "0"], "beams must be a positive integer"),
+    ("cache-unknown", [*GEN, "--cache", "paged"], "unknown cache"),
+    ("new-tokens-without-generate", ["--new-tokens", "5"], "need --mode generate"),
+    ("generate-too-long", [*GEN, "--prompt-len", "60", "--new-tokens", "10"], "64 learned"),
+    ("generate-prompt-and-seq", [*GEN, "--prompt-len", "8", "--seq-len", "9"], "give one"),
+]
+for name, flags, expected in GENERATION:
+    case(f"estimate-{name}", ["estimate", T, *flags], expected)
+case("estimate-generate-cnn", ["estimate", f"{M}:cnn", *GEN], "not a causal language model")
+case("measure-generate", ["measure", T, *GEN, "--device", "cpu"], "not measured yet")
+SERVE = ["serve", T, "--gpu", "h100"]
+for name, flags, expected in [
+    ("utilization-zero", ["--gpu-memory-utilization", "0"], "must be in (0, 1]"),
+    ("max-model-len-zero", ["--max-model-len", "0"], "--max-model-len must be a positive"),
+    ("block-size-zero", ["--block-size", "0"], "--block-size must be a positive"),
+    ("kv-dtype", ["--kv-cache-dtype", "int3"], "unknown --kv-cache-dtype"),
+    ("engine", ["--engine", "sglang"], "unknown engine"),
+    ("precision", ["--precision", "fp32"], "choose bf16 or fp16"),
+    ("gpu-unknown", ["--gpu", "rtx9999"], "unknown GPU"),
+]:
+    case(f"serve-{name}", [*SERVE, *flags], expected)
+case("serve-without-gpu", ["serve", T], "serve needs --gpu")
+case("serve-cnn", ["serve", f"{M}:cnn", "--gpu", "h100"], "not a causal language model")
 for command, extra in (("max-batch", CARD), ("plan", CARD), ("measure", ["--device", "cpu"])):
     for name, flags, expected in FLAGS:
         if name.startswith(("gpu", "headroom")) and command == "measure":

@@ -34,11 +34,13 @@ if TYPE_CHECKING:
         measure,
         parallel_layout,
         plan,
+        serve,
     )
     from vramplan.distributed.layout import ParallelLayout
     from vramplan.measurement.compare import Comparison
     from vramplan.planner.answer import PlanAnswer
     from vramplan.planner.search import SearchResult
+    from vramplan.planner.serving import ServingPlan
     from vramplan.quick import ModelMatch, calc, find_models, gpus, layers, llm, models
     from vramplan.session import Session
 
@@ -65,6 +67,9 @@ _LAZY = {
     "SearchResult": "vramplan.planner.search",
     "PlanAnswer": "vramplan.planner.answer",
     "Comparison": "vramplan.measurement.compare",
+    # serving capacity (planner/serving.py)
+    "serve": "vramplan.api",
+    "ServingPlan": "vramplan.planner.serving",
 }
 
 
@@ -105,6 +110,8 @@ __all__ = [
     "SearchResult",
     "PlanAnswer",
     "Comparison",
+    "serve",
+    "ServingPlan",
     "Component",
     "Phase",
     "UserError",

@@ -29,6 +29,7 @@ from vramplan.measurement.compare import Comparison
 from vramplan.pipeline import estimate_user_step
 from vramplan.planner.answer import PlanAnswer
 from vramplan.planner.search import SearchResult
+from vramplan.planner.serving import ServingPlan
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.session import Session
@@ -62,6 +63,14 @@ def estimate(
     """
     session, knobs = _split(options)
     return Session(model, **session).estimate(layout=layout, **knobs)
+
+
+def serve(model: str, *, gpu: str, **options: Any) -> ServingPlan:
+    """What a serving engine (vLLM) reserves for ``model`` on ``gpu`` and the KV cache left:
+    ``gpu_memory_utilization``, ``max_model_len``, ``tp``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``kv_cache_dtype``, ``block_size``, ``precision``."""
+    session, knobs = _split(options)
+    return Session(model, gpu=gpu, **session).serve(**knobs)
 
 
 def max_batch_size(

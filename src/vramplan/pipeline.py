@@ -19,12 +19,14 @@ from torch import nn
 
 from vramplan.device.options import DeviceOptions
 from vramplan.device.replay import apply_device
+from vramplan.errors import UserError
 from vramplan.optimizers import MODELLED, implementation_note
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Estimate, ModelInfo
 from vramplan.sources import BuiltModel
 from vramplan.sources.quantized import packed_numel_missing
 from vramplan.trace.events import Trace
+from vramplan.trace.generate import generation_details, trace_generation
 from vramplan.trace.materialize import unique_parameters
 from vramplan.trace.policy import DevicePolicy, policy_for
 from vramplan.trace.repeat import repeat_built
@@ -80,6 +82,9 @@ def trace_and_estimate(
         notes.append(how)
     info = model_info(built.model, built.name, built.architecture, built.kind)
     result = estimate_from_trace(trace, info, recipe, policy.name, notes)
+    if recipe.mode == "generate":
+        details = {**result.details, "generation": generation_details(trace, recipe)}
+        result = replace(result, details=details)
     if policy.name == "cuda":
         result = apply_device(result, trace, device)
     return result, trace
@@ -88,7 +93,12 @@ def trace_and_estimate(
 def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None) -> Trace:
     """The trace of ``built``: its repeated blocks traced once and repeated where that is
     exact (not under a distributed ``engine``, not with ``built.repeat_blocks`` off), else
-    every block traced."""
+    every block traced. Generation (``--mode generate``) is traced whole: one prefill and
+    one decode step."""
+    if recipe.mode == "generate":
+        if engine is not None:
+            raise UserError("--mode generate is traced on one GPU (no --fsdp)")
+        return trace_generation(built, recipe, policy)
     if engine is None and built.repeat_blocks:
         trace, note = repeat_built(built, recipe, lambda b: trace_training(b, recipe, policy))
         if trace is not None:

@@ -35,10 +35,10 @@ OPTIMIZER_IMPLS = ("auto", "foreach", "for-loop", "fused")
 (foreach on CUDA since 2.0, a per-parameter loop before), or the one the user forces."""
 TORCH_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad", "rmsprop")
 FUSED_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad")
-MODES = ("train", "infer")
+MODES = ("train", "infer", "generate")
 
 Precision = Literal["fp32", "fp16", "bf16", "amp-fp16", "amp-bf16"]
-Mode = Literal["train", "infer"]
+Mode = Literal["train", "infer", "generate"]
 
 
 def _choice(value: str, allowed: tuple[str, ...], what: str) -> str:
@@ -86,6 +86,11 @@ class Recipe:
     quantize: str = "none"
     double_quant: bool = False
     compute_dtype: str | None = None
+    # Generation (--mode generate, trace/generate.py): prompt, new tokens, cache, beams.
+    prompt_len: int | None = None
+    new_tokens: int | None = None
+    cache: str = "dynamic"
+    num_beams: int = 1
 
     def __post_init__(self) -> None:
         if (
@@ -111,15 +116,16 @@ class Recipe:
         object.__setattr__(self, "optimizer", _choice(self.optimizer, OPTIMIZERS, "optimizer"))
         object.__setattr__(self, "checkpointing", _checkpointing(self.checkpointing))
         object.__setattr__(self, "mode", _choice(self.mode, MODES, "mode"))
-        if self.mode == "infer":
+        if self.mode != "train":
             if self.checkpointing != "none":
                 raise UserError(
                     f"--checkpointing {self.checkpointing} recomputes activations in backward; "
-                    "--mode infer has no backward"
+                    f"--mode {self.mode} has no backward"
                 )
             object.__setattr__(self, "optimizer", "none")
         _check_optimizer_impl(self)
         _check_finetune(self)
+        _check_generation(self)
 
     @property
     def checkpoint_blocks(self) -> int | None:
@@ -162,7 +168,8 @@ class Recipe:
             data.pop("extras")
         if data["optimizer_impl"] == "auto":
             data.pop("optimizer_impl")
-        for name, default in FINETUNE_DEFAULTS.items():  # absent unless asked for
+        for name, default in {**FINETUNE_DEFAULTS, **GENERATION_DEFAULTS}.items():
+            # absent unless asked for
             if data[name] == default:
                 data.pop(name)
         return data
@@ -251,3 +258,42 @@ def _check_finetune(recipe: Recipe) -> None:
         raise UserError("--double-quant and --compute-dtype need --quantize nf4|fp4|int8")
     if recipe.quantize == "int8" and recipe.double_quant:
         raise UserError("--double-quant applies to 4-bit (nf4, fp4) weights, not int8")
+
+
+# -- generation (--mode generate) -----------------------------------------------------------
+
+CACHES = ("dynamic", "static")
+GENERATION_DEFAULTS = {"prompt_len": None, "new_tokens": None, "cache": "dynamic", "num_beams": 1}
+DEFAULT_NEW_TOKENS = 256
+
+
+def _positive(value: object, what: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise UserError(f"{what} must be a positive integer, got {value}")
+
+
+def _check_generation(recipe: Recipe) -> None:
+    """Validate the generation knobs in place: they belong to ``--mode generate``, whose
+    prompt is ``prompt_len`` (else ``seq_len``) tokens and whose cache holds
+    ``prompt_len + new_tokens - 1`` tokens at the last decode step."""
+    object.__setattr__(recipe, "cache", _choice(recipe.cache, CACHES, "cache"))
+    asked = [
+        "--" + name.replace("_", "-")
+        for name, default in GENERATION_DEFAULTS.items()
+        if getattr(recipe, name) != default
+    ]
+    if recipe.mode != "generate":
+        if asked:
+            raise UserError(f"{', '.join(asked)} need --mode generate")
+        return
+    for name in ("prompt_len", "new_tokens"):
+        if getattr(recipe, name) is not None:
+            _positive(getattr(recipe, name), name.replace("_", " "))
+    _positive(recipe.num_beams, "the number of beams")
+    if recipe.prompt_len is not None and recipe.seq_len not in (None, recipe.prompt_len):
+        raise UserError(
+            f"--seq-len {recipe.seq_len} and --prompt-len {recipe.prompt_len}: give one "
+            "(the prompt length)"
+        )
+    if recipe.lora_rank or recipe.freeze or recipe.train_only:
+        raise UserError("--mode generate runs no training: LoRA and freezing do not apply")

@@ -40,6 +40,8 @@ class Component(_Named):
     ACTIVATIONS = "activations"
     TEMPORARIES = "temporaries"
     INPUTS = "inputs"
+    KV_CACHE = "kv_cache"
+    """The key/value cache of generation (``--mode generate``)."""
 
 
 class Phase(_Named):
@@ -78,7 +80,8 @@ def five_part_summary(components: dict[str, int]) -> dict[str, int]:
         "gradients": components.get(Component.GRADIENTS, 0),
         "optimizer_state": components.get(Component.OPTIMIZER_STATE, 0),
         "activations": components.get(Component.ACTIVATIONS, 0)
-        + components.get(Component.INPUTS, 0),
+        + components.get(Component.INPUTS, 0)
+        + components.get(Component.KV_CACHE, 0),
         "workspace": components.get(Component.TEMPORARIES, 0),
     }
 

@@ -38,6 +38,7 @@ from vramplan.planner.answer import PlanAnswer, answer_plan
 from vramplan.planner.bench import TraceEvent, TraceLog, Workbench, trace_label
 from vramplan.planner.host import HostOptions
 from vramplan.planner.search import SearchResult, largest_fitting
+from vramplan.planner.serving import ServeOptions, ServingPlan, plan_serving
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.sources import BuiltModel, resolve, with_source
@@ -51,6 +52,10 @@ SEARCHES = {
     "batch-size": "batch_size",
     "seq_len": "seq_len",
     "seq-len": "seq_len",
+    "prompt_len": "prompt_len",
+    "prompt-len": "prompt_len",
+    "new_tokens": "new_tokens",
+    "new-tokens": "new_tokens",
 }
 TENSORFLOW_NOTE = (
     "TensorFlow reserves nearly the whole card at start-up unless memory growth is on "
@@ -179,8 +184,17 @@ class Session:
         with headroom, confirmed by tracing N (fits) and N + 1 (does not)."""
         knob = SEARCHES.get(search)
         if knob is None:
-            raise UserError(f"unknown search {search!r}; choose batch-size or seq-len")
+            raise UserError(
+                f"unknown search {search!r}; choose batch-size, seq-len, prompt-len or new-tokens"
+            )
         recipe = self._recipe(recipe, knobs)
+        if knob in ("prompt_len", "new_tokens"):
+            if recipe.mode != "generate":
+                raise UserError(f"--search {search} searches a generation: add --mode generate")
+            start = getattr(recipe, knob) or (recipe.seq_len if knob == "prompt_len" else None)
+            if knob == "prompt_len":
+                recipe = recipe.with_changes(seq_len=None)
+            return largest_fitting(self._workbench(), recipe, knob, start=start)
         if knob == "seq_len" and not self._build(recipe).sequence:
             raise UserError(
                 f"--search seq-len: {self.name} has no sequence length to search "
@@ -231,6 +245,11 @@ class Session:
                 "measure runs a model by its source name; an nn.Module's own "
                 "weights would be trained"
             )
+        if recipe.mode == "generate":
+            raise UserError(
+                "measure runs training or inference steps; --mode generate is estimated, "
+                "not measured yet"
+            )
         device = check_device(device, steps)
         if snapshot is not None and device != "cuda":
             raise UserError(
@@ -260,6 +279,24 @@ class Session:
             measured,
             errors_of(estimate, measured),
             check_leak(measured.after_step_bytes),
+        )
+
+    @_limited
+    def serve(self, *, precision: str = "bf16", **options: Any) -> ServingPlan:
+        """What a serving engine (vLLM) reserves on this session's card and the KV cache
+        left: ``gpu_memory_utilization``, ``max_model_len``, ``tp``, ``max_num_seqs``,
+        ``max_num_batched_tokens``, ``kv_cache_dtype``, ``block_size`` as its flags."""
+        allowed = set(ServeOptions.__dataclass_fields__) - {"dtype"}  # given as precision
+        unknown = sorted(set(options) - allowed)
+        if unknown:
+            raise UserError(f"unknown serve option {unknown[0]!r}")
+        serve_options = ServeOptions(**options, dtype=precision)
+        if self.device.gpu is None:
+            raise UserError("serve needs a card (--gpu): the engine's budget is a share of it")
+        built = self._build(Recipe(mode="infer"))
+        return self.log.timed(
+            f"{self.name} served by {serve_options.engine}",
+            lambda: plan_serving(built, serve_options, self.device),
         )
 
     def batch_curve_points(self, estimate: Estimate, layout: ParallelLayout | None = None):

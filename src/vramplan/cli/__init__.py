@@ -36,6 +36,7 @@ def _register_commands() -> None:
         measure_cmd,  # noqa: F401
         models_cmd,  # noqa: F401
         plan_cmd,  # noqa: F401
+        serve_cmd,  # noqa: F401
     )
 
 

@@ -67,7 +67,14 @@ CheckpointingOpt = Annotated[
     ),
 ]
 GradAccum = Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")]
-ModeOpt = Annotated[str, typer.Option("--mode", help="train | infer (no_grad, no optimizer).")]
+ModeOpt = Annotated[
+    str,
+    typer.Option(
+        "--mode",
+        help="train | infer (no_grad, no optimizer) | generate (transformers' generate: "
+        "prefill, KV cache, decode; --prompt-len, --new-tokens).",
+    ),
+]
 TargetOpt = Annotated[
     str,
     typer.Option(
@@ -104,7 +111,7 @@ def recipe_from_options(options: dict) -> Recipe:
     knobs = {name: options[name] for name in RECIPE_OPTIONS}
     if "optimizer_impl" in options:
         knobs["optimizer_impl"] = options["optimizer_impl"]
-    return Recipe(**knobs, **finetune_from_options(options))
+    return Recipe(**knobs, **finetune_from_options(options), **generation_from_options(options))
 
 
 def session_from_options(options: dict, **extra) -> vramplan.Session:
@@ -339,3 +346,34 @@ TimeoutOpt = Annotated[
         help="Seconds each call into your code (a factory, a traced step) may take.",
     ),
 ]
+
+
+# -- generation (--mode generate, trace/generate.py) ----------------------------------------
+
+PromptLenOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--prompt-len", help="--mode generate: prompt tokens per sequence (default --seq-len, 512)."
+    ),
+]
+NewTokensOpt = Annotated[
+    int | None,
+    typer.Option("--new-tokens", help="--mode generate: tokens generated (max_new_tokens, 256)."),
+]
+CacheOpt = Annotated[
+    str,
+    typer.Option(
+        "--cache",
+        help="--mode generate: dynamic (DynamicCache, grown by torch.cat) | static "
+        "(StaticCache sized to prompt + new tokens).",
+    ),
+]
+NumBeamsOpt = Annotated[
+    int, typer.Option("--num-beams", help="--mode generate: beams per prompt (beam search).")
+]
+GENERATION_OPTIONS = ("prompt_len", "new_tokens", "cache", "num_beams")
+
+
+def generation_from_options(options: dict) -> dict:
+    """The generation knobs among a command's options (those it has)."""
+    return {name: options[name] for name in GENERATION_OPTIONS if name in options}

@@ -15,6 +15,7 @@ from vramplan.cli.options import (
     AllocConfOpt,
     AllowCustomObjectsOpt,
     BatchSize,
+    CacheOpt,
     CheckpointingOpt,
     ComputeDtypeOpt,
     CudnnBenchmarkOpt,
@@ -33,11 +34,14 @@ from vramplan.cli.options import (
     LoraTargetsOpt,
     Model,
     ModeOpt,
+    NewTokensOpt,
+    NumBeamsOpt,
     OptimizerImplOpt,
     OptimizerOpt,
     PlotOpt,
     PrecisionOpt,
     ProfileOpt,
+    PromptLenOpt,
     QuantizeOpt,
     QuietOpt,
     SeqLen,
@@ -55,7 +59,12 @@ from vramplan.report.plan import plan_rows, render_max_batch, render_plan
 from vramplan.report.progress import progress_wanted, trace_progress
 from vramplan.report.render import check_units, print_json
 
-SearchOpt = Annotated[str, typer.Option("--search", help="batch-size | seq-len")]
+SearchOpt = Annotated[
+    str,
+    typer.Option(
+        "--search", help="batch-size | seq-len | prompt-len | new-tokens (the last two: generate)"
+    ),
+]
 HostMemoryOpt = Annotated[
     str | None,
     typer.Option("--host-memory", help="System RAM to check the run against, e.g. 64GiB."),
@@ -82,6 +91,10 @@ def max_batch_command(
     checkpointing: CheckpointingOpt = "none",
     grad_accum: GradAccum = 1,
     mode: ModeOpt = "train",
+    prompt_len: PromptLenOpt = None,
+    new_tokens: NewTokensOpt = None,
+    cache: CacheOpt = "dynamic",
+    num_beams: NumBeamsOpt = 1,
     lora: LoraOpt = 0,
     lora_targets: LoraTargetsOpt = None,
     lora_alpha: LoraAlphaOpt = None,

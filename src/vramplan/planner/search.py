@@ -18,7 +18,18 @@ from vramplan.planner.bench import Workbench
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 
-KNOBS = {"batch_size": "batch size", "seq_len": "sequence length"}
+KNOBS = {
+    "batch_size": "batch size",
+    "seq_len": "sequence length",
+    # --mode generate (trace/generate.py)
+    "prompt_len": "prompt length",
+    "new_tokens": "new tokens",
+}
+RESULT_KEYS = {
+    "batch_size": "max_batch_size",
+    "prompt_len": "max_prompt_len",
+    "new_tokens": "max_new_tokens",
+}
 LIMIT = 1 << 20
 
 
@@ -40,7 +51,7 @@ class SearchResult:
         return tuple(seconds for _, seconds in self.traced)
 
     def to_json(self) -> dict:
-        key = "max_batch_size" if self.knob == "batch_size" else "max_seq_len"
+        key = RESULT_KEYS.get(self.knob, "max_seq_len")
         data = {
             "schema": "vramplan.max_batch/1",
             key: self.value,
@@ -92,7 +103,7 @@ def largest_fitting(
 ) -> SearchResult:
     """Search ``knob`` (batch_size or seq_len) for the largest value that fits."""
     if knob not in KNOBS:
-        raise UserError(f"cannot search {knob!r}; choose batch_size or seq_len")
+        raise UserError(f"cannot search {knob!r}; choose one of: {', '.join(KNOBS)}")
     first = start or 1
     before = bench.traces
     base = recipe.with_changes(**{knob: first})

@@ -15,6 +15,7 @@ COLOURS = {
     Component.ACTIVATIONS: "#D55E00",
     Component.TEMPORARIES: "#CC79A7",
     Component.INPUTS: "#F0E442",
+    Component.KV_CACHE: "#999999",
 }
 LABELS = {
     Component.PARAMETERS: "parameters",
@@ -24,4 +25,5 @@ LABELS = {
     Component.ACTIVATIONS: "activations",
     Component.TEMPORARIES: "temporaries / workspace",
     Component.INPUTS: "input batch",
+    Component.KV_CACHE: "KV cache",
 }

@@ -15,6 +15,8 @@ from rich.table import Table
 from vramplan.distributed.needed import host_state_bytes
 from vramplan.units import format_bytes
 
+SEARCHED = {"batch_size": "batch size", "prompt_len": "prompt length", "new_tokens": "new tokens"}
+
 if TYPE_CHECKING:
     from vramplan.planner.answer import PlanAnswer
     from vramplan.planner.search import SearchResult
@@ -40,7 +42,7 @@ def render_max_batch(result: SearchResult, units: str) -> None:
     """The answer of a max-batch search, the step beyond it, and what it cost."""
     fmt = lambda n: format_bytes(n, units)  # noqa: E731
     est = result.estimate
-    label = "batch size" if result.knob == "batch_size" else "sequence length"
+    label = SEARCHED.get(result.knob, "sequence length")
     console = Console()
     console.print(
         f"Largest {label} that fits {est.verdict.gpu} with {est.verdict.headroom:.0%} "

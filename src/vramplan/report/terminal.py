@@ -22,6 +22,7 @@ _LABELS = {
     Component.ACTIVATIONS: "activations (saved for backward)",
     Component.TEMPORARIES: "temporaries / workspace",
     Component.INPUTS: "input batch",
+    Component.KV_CACHE: "KV cache",
     "workspace": "workspace",
 }
 
@@ -70,10 +71,34 @@ def _recipe_line(est: Estimate) -> str:
         parts.append(f"seq {r.seq_len}")
     if r.input_shape:
         parts.append("input " + "x".join(map(str, r.input_shape)))
+    if r.mode == "generate":
+        return ", ".join([*parts, r.precision, _generation_line(est)])
     parts += [r.precision, f"optimizer {r.optimizer}", f"checkpointing {r.checkpointing}", r.mode]
     if r.grad_accum > 1:
         parts.append(f"grad-accum {r.grad_accum}")
     return ", ".join(parts)
+
+
+def _generation_line(est: Estimate) -> str:
+    g = est.details.get("generation", {})
+    beams = f" × {est.recipe.num_beams} beams" if est.recipe.num_beams > 1 else ""
+    return (
+        f"generate {g.get('prompt_tokens')} + {g.get('new_tokens')} new tokens{beams}, "
+        f"{g.get('cache')} cache"
+    )
+
+
+def generation_lines(est: Estimate, fmt) -> list[str]:
+    """The prefill and decode peaks and the KV cache of a ``--mode generate`` estimate."""
+    g = est.details.get("generation")
+    if not g:
+        return []
+    return [
+        f"Prefill peak {fmt(g['prefill_peak_bytes'])}, last decode step peak "
+        f"{fmt(g['decode_peak_bytes'])} (tensor bytes)",
+        f"KV cache: {fmt(g['kv_cache_bytes'])} for {g['sequences']} × {g['kv_cache_tokens']} "
+        f"tokens ({g['kv_bytes_per_token']:,} bytes per token per sequence)",
+    ]
 
 
 def render_estimate(est: Estimate, units: Units = "binary", console: Console | None = None) -> None:
@@ -86,6 +111,8 @@ def render_estimate(est: Estimate, units: Units = "binary", console: Console | N
     )
     console.print(f"[bold]{est.model.name}[/bold] ({about}) — {_recipe_line(est)}")
     when = f" in {peak.phase}, iteration {peak.iteration}" if est.method == "trace" else ""
+    if est.recipe.mode == "generate" and est.method == "trace":
+        when = " in the prefill" if peak.iteration == 1 else " in the last decode step"
     label = "Peak allocated" if est.method == "trace" else f"Total ({est.method})"
     console.print(
         f"{label}: [bold]{fmt(peak.allocated_bytes)}[/bold] ({peak.allocated_bytes:,} bytes){when}"
@@ -129,7 +156,9 @@ def render_estimate(est: Estimate, units: Units = "binary", console: Console | N
         "Five-part summary: "
         + ", ".join(f"{_LABELS.get(k, k).split(' (')[0]} {fmt(v)}" for k, v in summary.items())
     )
-    if est.phase_peaks:
+    for line in generation_lines(est, fmt):
+        console.print(line)
+    if est.phase_peaks and est.recipe.mode != "generate":
         console.print(
             "Peak by phase: "
             + ", ".join(f"{phase} {fmt(v)}" for phase, v in est.phase_peaks.items())

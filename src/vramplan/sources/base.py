@@ -47,6 +47,9 @@ class BuiltModel:
     """Whether the input has a token/sequence length that ``--seq-len`` sets."""
     input_hint: str = "check --input-shape / --seq-len"
     """What to check when the model fails on the example batch."""
+    generator: Any = None
+    """How ``generate`` calls the model (``sources/generation.py`` ``Generator``): set for
+    transformers causal language models, None for models that do not generate."""
 
 
 def classification_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:

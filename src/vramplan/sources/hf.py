@@ -20,6 +20,7 @@ from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel
 from vramplan.sources.configs import load_config_dict, validate_config
+from vramplan.sources.generation import generator_for
 from vramplan.sources.hub import parse_hub_id
 
 DEFAULT_SEQ_LEN = 512
@@ -248,4 +249,12 @@ def build_hf(
         else None,
         blocks=len(checkpoint_layers(model)) if model.supports_gradient_checkpointing else 0,
         sequence=kind != "image-classification",
+        generator=generator_for(model, config, _learned_positions(config))
+        if kind == "causal-lm"
+        else None,
     )
+
+
+def _learned_positions(config) -> int | None:
+    """The position table of a model with learned positions (None for rotary ones)."""
+    return _max_positions(config) if config.model_type in _ABSOLUTE_POSITIONS else None

@@ -19,7 +19,9 @@ The forward and backward passes allocate what bitsandbytes' autograd functions d
 (``autograd/_functions.py``): 4-bit ``MatMul4Bit`` dequantizes the whole weight to the
 compute dtype (a transient the size of the full-precision weight; above M = 1536 rows
 bitsandbytes' CUDA dispatch always takes this dequantize + ``F.linear`` path) and saves
-only the quantized weight for backward, where it dequantizes again for the input gradient.
+only the quantized weight for backward, where it dequantizes again for the input gradient;
+one row without gradient (``matmul_4bit``'s inference path, a decode step of one sequence)
+goes through ``gemv_4bit`` instead, with no dequantized copy.
 ``MatMul8bitLt`` quantizes its input row-wise to int8 (``int8_vectorwise_quant``: int8
 values and an fp32 scale per row, from an fp16 copy), multiplies into int32
 (``int8_linear_matmul``), dequantizes into the input's dtype, saves the input itself, and
@@ -208,6 +210,11 @@ class QuantizedLinear(nn.Linear):
         in_dtype = x.dtype
         x = x.to(self.compute_dtype)
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        if x.numel() == x.shape[-1] and not x.requires_grad and not x.numel() % BLOCKSIZE_4BIT:
+            # matmul_4bit's inference path for one row (a decode step of one sequence):
+            # gemv_4bit reads the packed weight, no dequantized copy.
+            out = torch.empty(*x.shape[:-1], self.out_features, dtype=x.dtype, device=x.device)
+            return (out if bias is None else out.add_(bias)).to(in_dtype)
         return _Matmul4bit.apply(x, bias, self).to(in_dtype)
 
     def extra_repr(self) -> str:

@@ -21,6 +21,7 @@ TAG_PRIORITY = (
     Component.OPTIMIZER_STATE,
     Component.GRADIENTS,
     Component.INPUTS,
+    Component.KV_CACHE,
 )
 
 

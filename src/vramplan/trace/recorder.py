@@ -211,7 +211,21 @@ class AllocationRecorder(TorchDispatchMode):
             self._new_record(storage, nbytes, "resize_storage").tags.add("resized")
 
     def _new_record(self, storage: torch.UntypedStorage, nbytes: int, op: str) -> StorageRecord:
-        key = storage._cdata
+        record = self._append(storage._cdata, nbytes, op)
+        self.live[record.key] = record
+        weakref.finalize(storage, self._on_free, record)
+        return record
+
+    def note_alloc(self, nbytes: int, op: str) -> StorageRecord:
+        """Record a storage no tensor holds: a step the tracer models without running it
+        (the cache growth of generation's decode steps); ``note_free`` ends it."""
+        return self._append(-1 - len(self.records), nbytes, op)
+
+    def note_free(self, record: StorageRecord) -> None:
+        """End a storage recorded by ``note_alloc``."""
+        self._on_free(record)
+
+    def _append(self, key: int, nbytes: int, op: str) -> StorageRecord:
         if self.stream_label:
             op = f"{self.stream_label}:{op}"
         phase, iteration = self.current_phase()
@@ -229,8 +243,6 @@ class AllocationRecorder(TorchDispatchMode):
         )
         self.event_count += 1
         self.records.append(record)
-        self.live[key] = record
-        weakref.finalize(storage, self._on_free, record)
         return record
 
     def record_for(self, tensor: torch.Tensor) -> StorageRecord | None:

@@ -1,0 +1,75 @@
+"""How transformers' ``generate`` calls a causal language model: the cache it builds and
+the forward calls of the prefill and of a decode step (``trace/generate.py`` traces them).
+
+``generate`` (transformers 4.45+, ``GenerationMixin``) passes ``logits_to_keep=1`` to a
+model whose ``forward`` accepts it, so the prefill computes logits for the last position
+only; older models without the argument compute all of them. The default cache is a
+``DynamicCache`` (grown by ``torch.cat`` at every step); ``cache_implementation="static"``
+builds a ``StaticCache`` of ``max_length - 1`` positions, allocated at the first update::
+
+    >>> from vramplan.recipe import Recipe
+    >>> from vramplan.sources.hf import build_hf
+    >>> generator = build_hf("gpt2", Recipe(mode="generate")).generator
+    >>> generator.keeps_last_logits, generator.vocab_size
+    (True, 50257)
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramplan.errors import UserError
+
+
+@dataclass(frozen=True)
+class Generator:
+    """The generate-time calls of one transformers causal LM (``config`` its config)."""
+
+    config: Any
+    vocab_size: int
+    keeps_last_logits: bool
+    """Whether ``forward`` takes ``logits_to_keep`` (so generate keeps one position)."""
+    max_positions: int | None = None
+    """Learned positions: prompt plus new tokens must fit them (None: no such limit)."""
+
+    def check_length(self, name: str, total: int) -> None:
+        """Refuse a generation longer than the model's learned position table."""
+        if self.max_positions is not None and total > self.max_positions:
+            raise UserError(
+                f"{name} has {self.max_positions} learned positions; a prompt plus new "
+                f"tokens of {total} is longer"
+            )
+
+    def new_cache(self, kind: str, max_len: int) -> Any:
+        """The cache generate builds: dynamic, or static with ``max_len`` positions."""
+        import transformers
+
+        if kind == "static":
+            return transformers.StaticCache(config=self.config, max_cache_len=max_len)
+        return transformers.DynamicCache(config=self.config)
+
+    def forward(self, model: nn.Module, ids: torch.Tensor, cache: Any, start: int) -> Any:
+        """One forward as generate runs it: tokens ``ids`` at positions ``start...``,
+        the cache, and only the last position's logits where the model allows."""
+        batch, length = ids.shape
+        positions = torch.arange(start, start + length).unsqueeze(0).expand(batch, length)
+        kwargs = {"logits_to_keep": 1} if self.keeps_last_logits else {}
+        return model(
+            input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, **kwargs
+        )
+
+
+def cache_layers(cache: Any) -> list[Any]:
+    """The per-layer objects of a transformers cache (each holds ``keys`` and ``values``)."""
+    return list(getattr(cache, "layers", []))
+
+
+def generator_for(model: nn.Module, config: Any, max_positions: int | None) -> Generator:
+    """The ``Generator`` of a transformers causal LM."""
+    keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
+    return Generator(config, int(config.vocab_size), keeps, max_positions)

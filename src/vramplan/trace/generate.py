@@ -1,0 +1,311 @@
+"""Generation traced as transformers' ``generate`` runs it: the prefill, the cache's
+growth, and the last decode step.
+
+The prefill runs the prompt once with the cache generate builds and (where the model
+takes ``logits_to_keep``) logits for the last position only; the next-token logits are
+copied to fp32 as ``generate`` does. A ``DynamicCache`` then grows by ``torch.cat`` at
+every decode step: each layer's keys and values get a new block one token longer and
+the old one is freed. That growth is recorded storage by storage without running the
+steps (at most ``GROWTH_STEPS`` of them, in equal strides beyond), so the allocator
+replay sees the freed blocks it leaves behind; the last decode step is traced for real
+with the cache at ``prompt + new_tokens - 2`` tokens, and grows it to
+``prompt + new_tokens - 1``. A ``StaticCache`` is allocated at the prefill's first
+update with ``prompt + new_tokens - 1`` positions and written in place. The prefill is
+iteration 1 of the forward phase, the decode step iteration 2::
+
+    trace = trace_generation(built, Recipe(mode="generate", prompt_len=512,
+                                           new_tokens=128), CudaPolicy())
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vramplan.errors import UserError
+from vramplan.limits import time_limit
+from vramplan.recipe import DEFAULT_NEW_TOKENS, Recipe
+from vramplan.result import Component, Phase
+from vramplan.sources.base import BuiltModel
+from vramplan.sources.generation import cache_layers
+from vramplan.trace.events import Trace
+from vramplan.trace.policy import DevicePolicy
+from vramplan.trace.recorder import AllocationRecorder, StorageRecord
+from vramplan.trace.step import prepare_model_for, tracing
+
+GROWTH_STEPS = 256
+"""Decode steps whose cache growth is recorded one by one; more grow in equal strides."""
+DEFAULT_PROMPT = 512
+PREFILL, DECODE = 1, 2
+"""The forward iterations of the prefill and of the last decode step."""
+
+
+@dataclass(frozen=True)
+class GenerationShape:
+    """What one ``generate`` call runs: ``sequences`` (batch × beams) prompts of
+    ``prompt`` tokens, ``new_tokens`` generated, with a ``cache`` (dynamic or static).
+
+    >>> shape = GenerationShape(sequences=2, prompt=100, new_tokens=20, cache="dynamic")
+    >>> shape.final_cache_len, shape.decode_steps
+    (119, 19)
+    """
+
+    sequences: int
+    prompt: int
+    new_tokens: int
+    cache: str
+
+    @property
+    def final_cache_len(self) -> int:
+        """Tokens in the cache after the last decode step (the last token is not fed)."""
+        return self.prompt + self.new_tokens - 1
+
+    @property
+    def decode_steps(self) -> int:
+        """Forward passes after the prefill."""
+        return self.new_tokens - 1
+
+
+def generation_shape(recipe: Recipe) -> GenerationShape:
+    """The shape of the generate call a ``--mode generate`` recipe describes."""
+    prompt = recipe.prompt_len or recipe.seq_len or DEFAULT_PROMPT
+    return GenerationShape(
+        sequences=recipe.batch_size * recipe.num_beams,
+        prompt=prompt,
+        new_tokens=recipe.new_tokens or DEFAULT_NEW_TOKENS,
+        cache=recipe.cache,
+    )
+
+
+def growth_lengths(start: int, end: int, limit: int = GROWTH_STEPS) -> list[int]:
+    """The cache lengths after each recorded growth step from ``start`` to ``end`` tokens:
+    one token a step, or at most ``limit`` equal strides.
+
+    >>> growth_lengths(10, 14)
+    [11, 12, 13, 14]
+    >>> growth_lengths(0, 1000, limit=4)
+    [250, 500, 750, 1000]
+    """
+    steps = end - start
+    count = min(steps, limit)
+    return [start + (i * steps) // count for i in range(1, count + 1)] if count > 0 else []
+
+
+def _window(layer: Any) -> int | None:
+    """The window of a sliding-window cache layer (None for a full one)."""
+    return getattr(layer, "sliding_window", None) if getattr(layer, "is_sliding", False) else None
+
+
+def _stored(window: int | None, seen: int) -> int:
+    """Tokens the storage of a dynamic layer holds after the decode update that brought it
+    to ``seen`` tokens: all of them, or for a sliding layer the ``torch.cat`` of its last
+    ``window - 1`` tokens and the new one.
+
+    >>> _stored(None, 100), _stored(16, 100), _stored(16, 10)
+    (100, 16, 10)
+    """
+    return seen if window is None else min(seen - 1, window - 1) + 1
+
+
+def _tag_cache(recorder: AllocationRecorder, cache: Any) -> None:
+    for layer in cache_layers(cache):
+        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+            if isinstance(tensor, torch.Tensor):
+                record = recorder.record_for(tensor)
+                if record is not None:
+                    record.tags.add(Component.KV_CACHE)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One cached tensor of one layer: where it lives and its shape but the length."""
+
+    layer: Any
+    name: str
+    batch: int
+    heads: int
+    dim: int
+    dtype: torch.dtype
+
+    @property
+    def per_token(self) -> int:
+        return self.batch * self.heads * self.dim * self.dtype.itemsize
+
+
+def _slots(cache: Any) -> list[_Slot]:
+    slots = []
+    for layer in cache_layers(cache):
+        keys = getattr(layer, "keys", None)
+        if not isinstance(keys, torch.Tensor) or not keys.numel():
+            continue
+        if type(layer).__name__ not in ("DynamicLayer", "DynamicSlidingWindowLayer"):
+            raise UserError(
+                "--mode generate models DynamicCache layers (full and sliding-window); "
+                f"this model's cache has a {type(layer).__name__}"
+            )
+        for name in ("keys", "values"):
+            batch, heads, _, dim = getattr(layer, name).shape
+            slots.append(_Slot(layer, name, batch, heads, dim, keys.dtype))
+    return slots
+
+
+def grow_cache(recorder: AllocationRecorder, cache: Any, lengths: list[int]) -> list[str]:
+    """Record a dynamic cache growing through ``lengths`` (tokens seen after each step):
+    per step and layer, the keys' new block then the old one freed, then the values'.
+    The last step leaves real (fake) tensors in the cache; returns notes."""
+    slots = _slots(cache)
+    if not lengths or not slots:
+        return []
+    held: dict[int, StorageRecord] = {}
+    for step, seen in enumerate(lengths, start=1):
+        for index, slot in enumerate(slots):
+            window = _window(slot.layer)
+            stored = _stored(window, seen)
+            if step < len(lengths):
+                record = recorder.note_alloc(stored * slot.per_token, "cat")
+                record.tags.add(Component.KV_CACHE)
+                if index in held:
+                    recorder.note_free(held[index])
+                else:  # the prefill's tensor, freed as the cache lets go of it
+                    setattr(slot.layer, slot.name, None)
+                held[index] = record
+                continue
+            full = torch.empty(slot.batch, slot.heads, stored, slot.dim, dtype=slot.dtype)
+            recorder.record_for(full).tags.add(Component.KV_CACHE)
+            if index in held:
+                recorder.note_free(held[index])
+            visible = stored if window is None else min(stored, window - 1)
+            setattr(slot.layer, slot.name, full[:, :, stored - visible :, :])
+            del full
+        for layer in {id(s.layer): s.layer for s in slots}.values():
+            if _window(layer) is not None:
+                layer.cumulative_length = seen
+    if lengths[-1] - lengths[0] + 1 > len(lengths):
+        stride = (lengths[-1] - lengths[0]) // max(len(lengths) - 1, 1)
+        return [
+            f"cache growth replayed in {len(lengths)} equal strides of about {stride} tokens "
+            "(not one token at a time)"
+        ]
+    return []
+
+
+def _next_token(output: Any) -> torch.Tensor:
+    """What generate keeps of an output: the last position's logits copied to fp32."""
+    logits = output.logits if hasattr(output, "logits") else output[0]
+    return logits[:, -1].to(copy=True, dtype=torch.float32)
+
+
+def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) -> Trace:
+    """Trace ``generate`` of ``built`` as ``recipe`` (``mode="generate"``) describes it."""
+    generator = built.generator
+    if generator is None:
+        raise UserError(
+            f"--mode generate: {built.name} is not a causal language model that "
+            "transformers' generate runs (hf: ...ForCausalLM configs are)"
+        )
+    shape = generation_shape(recipe)
+    generator.check_length(built.name, shape.final_cache_len + 1)
+    notes = prepare_model_for(built, recipe)
+    model = built.model
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(time_limit(f"the traced generation of {built.name}"))
+        session = stack.enter_context(
+            tracing(model, policy, recipe, built.name, "check --prompt-len / --new-tokens")
+        )
+        session.notes.extend(notes + built.notes)
+        session.prepare_model(model)
+        recorder = session.recorder
+
+        def phase(iteration: int) -> None:
+            recorder.set_phase(Phase.FORWARD, iteration)
+            session.modules.reset()
+
+        phase(PREFILL)
+        ids = torch.randint(0, generator.vocab_size, (shape.sequences, shape.prompt))
+        session.tag_inputs(ids)
+        cache = generator.new_cache(shape.cache, shape.final_cache_len)
+        with torch.no_grad(), policy.autocast(recipe):
+            output = generator.forward(model, ids, cache, 0)
+            logits = _next_token(output)
+            del output
+        _tag_cache(recorder, cache)
+        if shape.decode_steps:
+            phase(DECODE)
+            before = shape.final_cache_len - 1
+            if shape.cache == "dynamic":
+                lengths = growth_lengths(shape.prompt, before)
+                session.notes.extend(grow_cache(recorder, cache, lengths))
+            token = torch.randint(0, generator.vocab_size, (shape.sequences, 1))
+            with torch.no_grad(), policy.autocast(recipe):
+                output = generator.forward(model, token, cache, before)
+                del logits
+                logits = _next_token(output)
+                del output
+            _tag_cache(recorder, cache)
+        session.notes.extend(generation_notes(recipe, shape, generator.keeps_last_logits))
+    return session.finish()
+
+
+def generation_notes(recipe: Recipe, shape: GenerationShape, keeps_last: bool) -> list[str]:
+    """What the traced generate call was, and what it leaves out."""
+    logits = (
+        "logits of the last position only, logits_to_keep=1"
+        if keeps_last
+        else "all logits: the model takes no logits_to_keep"
+    )
+    notes = [
+        f"generate: prefill of {shape.prompt} tokens ({logits})"
+        + f", then {shape.decode_steps} decode steps to a {shape.cache} cache of "
+        f"{shape.final_cache_len} tokens; the last decode step is traced"
+    ]
+    if recipe.num_beams > 1:
+        notes.append(
+            f"beam search: {recipe.num_beams} beams per prompt run as {shape.sequences} "
+            "sequences; the cache's per-step reorder (an index_select of each layer) is "
+            "not replayed"
+        )
+    return notes
+
+
+def generation_details(trace: Trace, recipe: Recipe) -> dict[str, int]:
+    """The figures of a traced generation (tensor bytes, before the allocator's rounding):
+    the peaks of the prefill and of the last decode step, the cache at the end, and the
+    cache per token of one sequence (read from the cache the prefill wrote, whose every
+    layer holds each prompt token — a static cache each of its positions — before any
+    sliding window drops one)."""
+    shape = generation_shape(recipe)
+    peaks = {PREFILL: 0, DECODE: 0}
+    live = 0
+    for event in trace.events():
+        live += event.delta
+        iteration = trace.phase_at(event.index).iteration
+        if iteration in peaks:
+            peaks[iteration] = max(peaks[iteration], live)
+    cache = sum(
+        a.nbytes
+        for a in trace.allocations
+        if a.category == Component.KV_CACHE and a.free_index is None
+    )
+    tokens = (
+        shape.final_cache_len if shape.decode_steps or shape.cache == "static" else shape.prompt
+    )
+    prefilled = sum(
+        a.nbytes
+        for a in trace.allocations
+        if a.category == Component.KV_CACHE and a.iteration == PREFILL
+    )
+    written = shape.final_cache_len if shape.cache == "static" else shape.prompt
+    return {
+        "prompt_tokens": shape.prompt,
+        "new_tokens": shape.new_tokens,
+        "sequences": shape.sequences,
+        "cache": shape.cache,
+        "prefill_peak_bytes": peaks[PREFILL],
+        "decode_peak_bytes": peaks[DECODE],
+        "kv_cache_bytes": cache,
+        "kv_cache_tokens": tokens,
+        "kv_bytes_per_token": prefilled // (shape.sequences * written),
+    }
