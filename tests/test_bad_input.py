@@ -316,6 +316,9 @@ FLAGS = [
     ("timeout-zero", ["--timeout", "0"], "timeout must be a positive"),
     ("timeout-negative", ["--timeout", "-5"], "timeout must be a positive"),
     ("unknown-flag", ["--bogus-flag"], "No such option"),
+    ("boxes-zero", ["--boxes-per-image", "0"], "boxes per image must be a positive integer"),
+    ("boxes-word", ["--boxes-per-image", "many"], "--boxes-per-image"),
+    ("detection-counts", ["--detection-counts", "typical"], "unknown detection count policy"),
 ]
 for name, flags, expected in FLAGS:
     case(f"estimate-{name}", ["estimate", T, *flags], expected)
@@ -400,6 +403,11 @@ case(
     "estimate-shape-wrong-rank",
     ["estimate", f"{M}:cnn", "--input-shape", "5"],
     "failed on the example batch",
+)
+case(
+    "estimate-detection-shape-rank",
+    ["estimate", "torchvision:fasterrcnn_mobilenet_v3_large_320_fpn", "--input-shape", "224"],
+    "detection models take --input-shape CxHxW",
 )
 case("estimate-text-shape-on-lm", ["estimate", T, "--input-shape", "3x224x224"], "text models take")
 

@@ -80,6 +80,9 @@ class Recipe:
     quantize: str = "none"
     double_quant: bool = False
     compute_dtype: str | None = None
+    # Vision tasks (sources/detection.py): targets per image and the data-dependent counts.
+    boxes_per_image: int = 20
+    detection_counts: str = "max"
 
     def __post_init__(self) -> None:
         if (
@@ -113,6 +116,7 @@ class Recipe:
                 )
             object.__setattr__(self, "optimizer", "none")
         _check_finetune(self)
+        _check_vision(self)
 
     @property
     def checkpoint_blocks(self) -> int | None:
@@ -153,7 +157,10 @@ class Recipe:
         data["input_shape"] = list(self.input_shape) if self.input_shape else None
         if not data["extras"]:
             data.pop("extras")
-        for name, default in FINETUNE_DEFAULTS.items():  # absent unless asked for
+        for name, default in {
+            **FINETUNE_DEFAULTS,
+            **VISION_DEFAULTS,
+        }.items():  # absent unless asked for
             if data[name] == default:
                 data.pop(name)
         return data
@@ -225,3 +232,16 @@ def _check_finetune(recipe: Recipe) -> None:
         raise UserError("--double-quant and --compute-dtype need --quantize nf4|fp4|int8")
     if recipe.quantize == "int8" and recipe.double_quant:
         raise UserError("--double-quant applies to 4-bit (nf4, fp4) weights, not int8")
+
+
+VISION_DEFAULTS = {"boxes_per_image": 20, "detection_counts": "max"}
+DETECTION_COUNTS = ("max", "min")
+
+
+def _check_vision(recipe: Recipe) -> None:
+    """Validate the vision-task knobs in place."""
+    boxes = recipe.boxes_per_image
+    if not isinstance(boxes, int) or isinstance(boxes, bool) or boxes <= 0:
+        raise UserError(f"boxes per image must be a positive integer, got {boxes}")
+    counts = _choice(recipe.detection_counts, DETECTION_COUNTS, "detection count policy")
+    object.__setattr__(recipe, "detection_counts", counts)

@@ -13,7 +13,9 @@ from vramplan.cli.app import app
 from vramplan.cli.options import (
     AllocConfOpt,
     BatchSize,
+    BoxesPerImageOpt,
     CheckpointingOpt,
+    DetectionCountsOpt,
     GradAccum,
     HtmlOpt,
     InputShape,
@@ -58,6 +60,8 @@ def measure_command(
     checkpointing: CheckpointingOpt = "none",
     grad_accum: GradAccum = 1,
     mode: ModeOpt = "train",
+    boxes_per_image: BoxesPerImageOpt = 20,
+    detection_counts: DetectionCountsOpt = "max",
     steps: StepsOpt = 3,
     device: DeviceOpt = None,
     snapshot: SnapshotOpt = None,

@@ -86,7 +86,7 @@ def recipe_from_options(options: dict) -> Recipe:
     """Validate a command's recipe options (read by name from ``options``, e.g. the
     command's ``locals()``) into a Recipe; a UserError on any bad value."""
     knobs = {name: options[name] for name in RECIPE_OPTIONS}
-    return Recipe(**knobs, **finetune_from_options(options))
+    return Recipe(**knobs, **finetune_from_options(options), **vision_from_options(options))
 
 
 def session_from_options(options: dict, **extra) -> vramplan.Session:
@@ -297,3 +297,29 @@ TimeoutOpt = Annotated[
         help="Seconds each call into your code (a factory, a traced step) may take.",
     ),
 ]
+
+
+# -- vision tasks (sources/detection.py) ---------------------------------------------------
+
+BoxesPerImageOpt = Annotated[
+    int,
+    typer.Option(
+        "--boxes-per-image",
+        help="Detection: ground-truth boxes (with masks/keypoints) per image in the batch.",
+    ),
+]
+DetectionCountsOpt = Annotated[
+    str,
+    typer.Option(
+        "--detection-counts",
+        help="Detection: max (data-dependent counts at the configured maxima: NMS keeps "
+        "everything, samplers reach their caps) | min (each ground-truth box matched once).",
+    ),
+]
+
+VISION_OPTIONS = ("boxes_per_image", "detection_counts")
+
+
+def vision_from_options(options: dict) -> dict:
+    """The vision-task knobs among a command's options (those it has), by Recipe name."""
+    return {name: options[name] for name in VISION_OPTIONS if name in options}

@@ -79,6 +79,7 @@ def model_names(source: str) -> list[str]:
         return sorted(
             torchvision.models.list_models(module=torchvision.models)
             + torchvision.models.list_models(module=torchvision.models.segmentation)
+            + torchvision.models.list_models(module=torchvision.models.detection)
         )
     if source == "timm":
         from vramplan.sources.vision import require_package

@@ -79,10 +79,9 @@ def build_torchvision(name: str, recipe: Recipe, device: str = "meta") -> BuiltM
     if name not in classification and name not in segmentation:
         detection = torchvision.models.list_models(module=torchvision.models.detection)
         if name in detection:
-            raise UserError(
-                f"torchvision:{name} is a detection model: its loss needs data-dependent box "
-                "matching that fake tensors cannot run; estimate its backbone instead"
-            )
+            from vramplan.sources.detection import build_detection
+
+            return build_detection(name, recipe, device)
         raise _unknown("torchvision", name, classification + segmentation)
     size = _DEFAULT_SIZES.get(name, 520 if name in segmentation else 224)
     shape = _image_shape(recipe, size)
