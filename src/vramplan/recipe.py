@@ -83,6 +83,7 @@ class Recipe:
     # Vision tasks (sources/detection.py): targets per image and the data-dependent counts.
     boxes_per_image: int = 20
     detection_counts: str = "max"
+    resolution: int | None = None  # diffusion (sources/diffusion.py): image side in pixels
 
     def __post_init__(self) -> None:
         if (
@@ -234,7 +235,7 @@ def _check_finetune(recipe: Recipe) -> None:
         raise UserError("--double-quant applies to 4-bit (nf4, fp4) weights, not int8")
 
 
-VISION_DEFAULTS = {"boxes_per_image": 20, "detection_counts": "max"}
+VISION_DEFAULTS = {"boxes_per_image": 20, "detection_counts": "max", "resolution": None}
 DETECTION_COUNTS = ("max", "min")
 
 
@@ -243,5 +244,8 @@ def _check_vision(recipe: Recipe) -> None:
     boxes = recipe.boxes_per_image
     if not isinstance(boxes, int) or isinstance(boxes, bool) or boxes <= 0:
         raise UserError(f"boxes per image must be a positive integer, got {boxes}")
+    side = recipe.resolution
+    if side is not None and (not isinstance(side, int) or isinstance(side, bool) or side <= 0):
+        raise UserError(f"resolution must be a positive integer, got {side}")
     counts = _choice(recipe.detection_counts, DETECTION_COUNTS, "detection count policy")
     object.__setattr__(recipe, "detection_counts", counts)

@@ -299,7 +299,7 @@ TimeoutOpt = Annotated[
 ]
 
 
-# -- vision tasks (sources/detection.py) ---------------------------------------------------
+# -- vision tasks (sources/detection.py, sources/diffusion.py) -----------------------------
 
 BoxesPerImageOpt = Annotated[
     int,
@@ -317,7 +317,15 @@ DetectionCountsOpt = Annotated[
     ),
 ]
 
-VISION_OPTIONS = ("boxes_per_image", "detection_counts")
+ResolutionOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--resolution",
+        help="Diffusion: image side in pixels (latents are 1/8 of it; default: the model's).",
+    ),
+]
+
+VISION_OPTIONS = ("boxes_per_image", "detection_counts", "resolution")
 
 
 def vision_from_options(options: dict) -> dict:

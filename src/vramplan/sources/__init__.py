@@ -14,18 +14,19 @@ from vramplan.recipe import Recipe
 if TYPE_CHECKING:
     from vramplan.sources.base import BuiltModel
 
-PREFIXES = ("torchvision", "timm", "hf")
+PREFIXES = ("torchvision", "timm", "hf", "diffusers")
 
 
 def resolve(spec: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     """``torchvision:NAME``, ``timm:NAME``, ``hf:NAME`` (or ``hf:path/config.json``),
+    ``diffusers:NAME`` (a bundled config or ``diffusers:path/config.json``),
     ``path/to/file.py:factory`` or ``package.module:factory``; built on the meta device
     (for tracing) or, for a real run, initialised on ``device``."""
     prefix, sep, rest = spec.partition(":")
     if not sep or not rest:
         raise UserError(
             f"cannot read model {spec!r}: use torchvision:NAME, timm:NAME, hf:NAME, "
-            "path/to/file.py:factory or package.module:factory"
+            "diffusers:NAME, path/to/file.py:factory or package.module:factory"
         )
     if prefix in PREFIXES:
         from vramplan.sources.finetune import apply_finetune
@@ -45,6 +46,10 @@ def _build_named(prefix: str, rest: str, recipe: Recipe, device: str) -> BuiltMo
         from vramplan.sources.vision import build_timm
 
         return build_timm(rest, recipe, device)
+    if prefix == "diffusers":
+        from vramplan.sources.diffusion import build_diffusers
+
+        return build_diffusers(rest, recipe, device)
     from vramplan.sources.hf import build_hf
 
     return build_hf(rest, recipe, device)
@@ -85,4 +90,8 @@ def model_names(source: str) -> list[str]:
         from vramplan.sources.vision import require_package
 
         return sorted(require_package("timm", "timm").list_models())
-    raise UserError(f"unknown source {source!r}; choose one of: hf, torchvision, timm")
+    if source == "diffusers":
+        from vramplan.sources.diffusion import bundled_diffusers
+
+        return bundled_diffusers()
+    raise UserError(f"unknown source {source!r}; choose one of: hf, torchvision, timm, diffusers")

@@ -55,9 +55,12 @@ def _segmentation(name: str, model: nn.Module, shape: tuple[int, ...], classes: 
         output = module(images)
         if not training:
             return output
-        loss = nn.functional.cross_entropy(output["out"], masks)
+        # as torchvision's references/segmentation: unlabelled pixels are 255, the aux
+        # head's loss weighs 0.5
+        loss = nn.functional.cross_entropy(output["out"], masks, ignore_index=255)
         if "aux" in output:
-            loss = loss + 0.5 * nn.functional.cross_entropy(output["aux"], masks)
+            aux = nn.functional.cross_entropy(output["aux"], masks, ignore_index=255)
+            loss = loss + 0.5 * aux
         return loss
 
     return BuiltModel(
@@ -87,11 +90,14 @@ def build_torchvision(name: str, recipe: Recipe, device: str = "meta") -> BuiltM
     shape = _image_shape(recipe, size)
     kwargs = {"weights": None}
     if name in segmentation:
-        kwargs.update(weights_backbone=None, aux_loss=True)
+        kwargs.update(weights_backbone=None)
+        if not name.startswith("lraspp"):  # LR-ASPP has no auxiliary head
+            kwargs.update(aux_loss=True)
     with torch.device(device):
         model = torchvision.models.get_model(name, **kwargs)
     if name in segmentation:
-        built = _segmentation(name, model, shape, model.classifier[-1].out_channels)
+        convs = [m for m in model.classifier.modules() if isinstance(m, nn.Conv2d)]
+        built = _segmentation(name, model, shape, convs[-1].out_channels)
     else:
         built = image_classifier(f"torchvision:{name}", type(model).__name__, model, shape)
     built.enable_checkpointing = checkpoint_repeated_blocks
