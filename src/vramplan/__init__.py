@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from vramplan.measurement.compare import Comparison
     from vramplan.planner.answer import PlanAnswer
     from vramplan.planner.search import SearchResult
-    from vramplan.quick import calc, gpus, layers, llm, models
+    from vramplan.quick import calc, gpus, layers, llm, models, tasks
     from vramplan.session import Session
 
 # Where each public name lives. Importing the package imports none of them: torch (and the
@@ -59,6 +59,7 @@ _LAZY = {
     "llm": "vramplan.quick",
     "gpus": "vramplan.quick",
     "models": "vramplan.quick",
+    "tasks": "vramplan.quick",
     "ParallelLayout": "vramplan.distributed.layout",
     "SearchResult": "vramplan.planner.search",
     "PlanAnswer": "vramplan.planner.answer",
@@ -93,6 +94,7 @@ __all__ = [
     "llm",
     "gpus",
     "models",
+    "tasks",
     "calibrate",
     "parallel_layout",
     "Recipe",

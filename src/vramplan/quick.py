@@ -19,7 +19,7 @@ from vramplan.device.catalog import GpuSpec, catalog
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe, parse_shape
 from vramplan.result import Estimate
-from vramplan.sources import model_names
+from vramplan.sources import model_names, model_tasks
 from vramplan.sources.configs import load_config_dict, validate_config
 from vramplan.units import parse_count
 
@@ -128,5 +128,10 @@ def gpus() -> tuple[GpuSpec, ...]:
 
 
 def models(source: str = "hf") -> list[str]:
-    """The model names a source (``hf``, ``torchvision``, ``timm``) accepts."""
+    """The model names a source (``hf``, ``torchvision``, ``timm``, ``diffusers``) accepts."""
     return model_names(source)
+
+
+def tasks(source: str = "torchvision") -> dict[str, str]:
+    """What vramplan trains for each model a source accepts (``vramplan models``)."""
+    return model_tasks(source)

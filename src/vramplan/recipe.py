@@ -84,6 +84,7 @@ class Recipe:
     boxes_per_image: int = 20
     detection_counts: str = "max"
     resolution: int | None = None  # diffusion (sources/diffusion.py): image side in pixels
+    frames: int | None = None  # video (sources/vision.py): frames per clip
 
     def __post_init__(self) -> None:
         if (
@@ -235,7 +236,12 @@ def _check_finetune(recipe: Recipe) -> None:
         raise UserError("--double-quant applies to 4-bit (nf4, fp4) weights, not int8")
 
 
-VISION_DEFAULTS = {"boxes_per_image": 20, "detection_counts": "max", "resolution": None}
+VISION_DEFAULTS = {
+    "boxes_per_image": 20,
+    "detection_counts": "max",
+    "resolution": None,
+    "frames": None,
+}
 DETECTION_COUNTS = ("max", "min")
 
 
@@ -244,8 +250,11 @@ def _check_vision(recipe: Recipe) -> None:
     boxes = recipe.boxes_per_image
     if not isinstance(boxes, int) or isinstance(boxes, bool) or boxes <= 0:
         raise UserError(f"boxes per image must be a positive integer, got {boxes}")
-    side = recipe.resolution
-    if side is not None and (not isinstance(side, int) or isinstance(side, bool) or side <= 0):
-        raise UserError(f"resolution must be a positive integer, got {side}")
+    for name in ("resolution", "frames"):
+        value = getattr(recipe, name)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value <= 0
+        ):
+            raise UserError(f"{name} must be a positive integer, got {value}")
     counts = _choice(recipe.detection_counts, DETECTION_COUNTS, "detection count policy")
     object.__setattr__(recipe, "detection_counts", counts)

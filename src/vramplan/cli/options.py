@@ -325,7 +325,12 @@ ResolutionOpt = Annotated[
     ),
 ]
 
-VISION_OPTIONS = ("boxes_per_image", "detection_counts", "resolution")
+FramesOpt = Annotated[
+    int | None,
+    typer.Option("--frames", help="Video: frames per clip (input 3 x T x H x W; default 16)."),
+]
+
+VISION_OPTIONS = ("boxes_per_image", "detection_counts", "resolution", "frames")
 
 
 def vision_from_options(options: dict) -> dict:

@@ -55,7 +55,7 @@ def _build_named(prefix: str, rest: str, recipe: Recipe, device: str) -> BuiltMo
     return build_hf(rest, recipe, device)
 
 
-__all__ = ["BuiltModel", "resolve", "model_names", "PREFIXES"]
+__all__ = ["BuiltModel", "resolve", "model_names", "model_tasks", "PREFIXES"]
 
 
 def __getattr__(name: str):
@@ -78,14 +78,10 @@ def model_names(source: str) -> list[str]:
 
         return bundled_configs()
     if source == "torchvision":
-        from vramplan.sources.vision import require_package
+        from vramplan.sources.vision import require_package, torchvision_tasks
 
-        torchvision = require_package("torchvision", "vision")
-        return sorted(
-            torchvision.models.list_models(module=torchvision.models)
-            + torchvision.models.list_models(module=torchvision.models.segmentation)
-            + torchvision.models.list_models(module=torchvision.models.detection)
-        )
+        require_package("torchvision", "vision")
+        return list(torchvision_tasks())
     if source == "timm":
         from vramplan.sources.vision import require_package
 
@@ -95,3 +91,19 @@ def model_names(source: str) -> list[str]:
 
         return bundled_diffusers()
     raise UserError(f"unknown source {source!r}; choose one of: hf, torchvision, timm, diffusers")
+
+
+def model_tasks(source: str) -> dict[str, str]:
+    """What vramplan trains for each name of ``source`` (torchvision: per model; others:
+    one task for all)."""
+    if source == "torchvision":
+        from vramplan.sources.vision import require_package, torchvision_tasks
+
+        require_package("torchvision", "vision")
+        return torchvision_tasks()
+    task = {
+        "hf": "train, infer",
+        "timm": "classification: train, infer",
+        "diffusers": "noise-prediction training on precomputed latents, infer",
+    }.get(source, "")
+    return dict.fromkeys(model_names(source), task)

@@ -85,7 +85,10 @@ def build_torchvision(name: str, recipe: Recipe, device: str = "meta") -> BuiltM
             from vramplan.sources.detection import build_detection
 
             return build_detection(name, recipe, device)
-        raise _unknown("torchvision", name, classification + segmentation)
+        if name in torchvision.models.list_models(module=torchvision.models.video):
+            return _video(torchvision, name, recipe, device)
+        _refuse_other_tasks(torchvision, name)
+        raise _unknown("torchvision", name, classification + segmentation + detection)
     size = _DEFAULT_SIZES.get(name, 520 if name in segmentation else 224)
     shape = _image_shape(recipe, size)
     kwargs = {"weights": None}
@@ -100,6 +103,75 @@ def build_torchvision(name: str, recipe: Recipe, device: str = "meta") -> BuiltM
         built = _segmentation(name, model, shape, convs[-1].out_channels)
     else:
         built = image_classifier(f"torchvision:{name}", type(model).__name__, model, shape)
+    built.enable_checkpointing = checkpoint_repeated_blocks
+    built.blocks = len(true_repeated_blocks(model))
+    return built
+
+
+# torchvision's model families vramplan does not train yet, and what each would need.
+UNSUPPORTED_TASKS = {
+    "optical_flow": "an optical-flow model: its step needs image pairs, flow targets and "
+    "RAFT's sequence loss over the refinement iterations",
+    "quantization": "a quantized model: torchvision's int8 models run fbgemm/qnnpack CPU "
+    "kernels, not a CUDA training step",
+}
+
+
+def _refuse_other_tasks(torchvision, name: str) -> None:
+    for family, what in UNSUPPORTED_TASKS.items():
+        if name in torchvision.models.list_models(module=getattr(torchvision.models, family)):
+            raise UserError(
+                f"torchvision:{name} is {what}; vramplan does not build that step yet: write "
+                "it as a step function and trace it with vramplan.estimate_step"
+            )
+
+
+def torchvision_tasks() -> dict[str, str]:
+    """What vramplan trains for each torchvision model it accepts.
+
+    >>> torchvision_tasks()["maskrcnn_resnet50_fpn"]
+    'instance segmentation: train with targets (--boxes-per-image), infer'
+    """
+    import torchvision
+
+    def names(module) -> list[str]:
+        return torchvision.models.list_models(module=module)
+
+    tasks = dict.fromkeys(names(torchvision.models), "classification: train, infer")
+    segmentation = "semantic segmentation: train (cross-entropy, aux head), infer"
+    tasks.update(dict.fromkeys(names(torchvision.models.segmentation), segmentation))
+    video = "video classification: train, infer (--frames)"
+    tasks.update(dict.fromkeys(names(torchvision.models.video), video))
+    for name in names(torchvision.models.detection):
+        kind = "detection"
+        if name.startswith("maskrcnn"):
+            kind = "instance segmentation"
+        elif name.startswith("keypointrcnn"):
+            kind = "keypoint detection"
+        tasks[name] = f"{kind}: train with targets (--boxes-per-image), infer"
+    return dict(sorted(tasks.items()))
+
+
+# The clip side torchvision's video weights were trained at (KINETICS400_V1 transforms).
+_CLIP_SIDES = {"r3d_18": 112, "mc3_18": 112, "r2plus1d_18": 112}
+CLIP_FRAMES = 16
+
+
+def _video(torchvision, name: str, recipe: Recipe, device: str) -> BuiltModel:
+    """A torchvision video classifier on clips ``3 x T x H x W`` (``--frames`` sets T)."""
+    shape = recipe.input_shape
+    if shape is None:
+        side = _CLIP_SIDES.get(name, 224)
+        shape = (3, recipe.frames or CLIP_FRAMES, side, side)
+    elif len(shape) != 4:
+        raise UserError(f"video models take --input-shape CxTxHxW, got {shape}")
+    elif recipe.frames is not None:
+        shape = (shape[0], recipe.frames, *shape[2:])
+    with torch.device(device):
+        model = torchvision.models.get_model(name, weights=None)
+    built = image_classifier(f"torchvision:{name}", type(model).__name__, model, shape)
+    built.kind = "video"
+    built.input_hint = "check --input-shape (CxTxHxW) / --frames"
     built.enable_checkpointing = checkpoint_repeated_blocks
     built.blocks = len(true_repeated_blocks(model))
     return built
