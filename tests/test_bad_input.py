@@ -319,6 +319,11 @@ FLAGS = [
     ("timeout-zero", ["--timeout", "0"], "timeout must be a positive"),
     ("timeout-negative", ["--timeout", "-5"], "timeout must be a positive"),
     ("unknown-flag", ["--bogus-flag"], "No such option"),
+    ("boxes-zero", ["--boxes-per-image", "0"], "boxes per image must be a positive integer"),
+    ("boxes-word", ["--boxes-per-image", "many"], "--boxes-per-image"),
+    ("detection-counts", ["--detection-counts", "typical"], "unknown detection count policy"),
+    ("resolution-zero", ["--resolution", "0"], "resolution must be a positive integer"),
+    ("frames-negative", ["--frames", "-2"], "frames must be a positive integer"),
 ]
 for name, flags, expected in FLAGS:
     case(f"estimate-{name}", ["estimate", T, *flags], expected)
@@ -439,6 +444,21 @@ case(
     ["estimate", f"{M}:cnn", "--input-shape", "5"],
     "failed on the example batch",
 )
+case(
+    "estimate-detection-shape-rank",
+    ["estimate", "torchvision:fasterrcnn_mobilenet_v3_large_320_fpn", "--input-shape", "224"],
+    "detection models take --input-shape CxHxW",
+)
+case(
+    "estimate-diffusion-resolution",
+    ["estimate", "diffusers:sd15-unet", "--resolution", "500"],
+    "must be a multiple of 8",
+)
+case("estimate-diffusers-unknown", ["estimate", "diffusers:sd9-unet"], "unknown diffusers model")
+case(
+    "estimate-video-shape", ["estimate", "torchvision:r3d_18", "--input-shape", "3x8x8"], "CxTxHxW"
+)
+case("estimate-optical-flow", ["estimate", "torchvision:raft_small"], "optical-flow model")
 case("estimate-text-shape-on-lm", ["estimate", T, "--input-shape", "3x224x224"], "text models take")
 
 # -- model names and user code --------------------------------------------------------------

@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from vramplan.planner.answer import PlanAnswer
     from vramplan.planner.search import SearchResult
     from vramplan.planner.serving import ServingPlan
-    from vramplan.quick import ModelMatch, calc, find_models, gpus, layers, llm, models
+    from vramplan.quick import ModelMatch, calc, find_models, gpus, layers, llm, models, tasks
     from vramplan.session import Session
 
 # Where each public name lives. Importing the package imports none of them: torch (and the
@@ -63,6 +63,7 @@ _LAZY = {
     "models": "vramplan.quick",
     "find_models": "vramplan.quick",
     "ModelMatch": "vramplan.quick",
+    "tasks": "vramplan.quick",
     "ParallelLayout": "vramplan.distributed.layout",
     "SearchResult": "vramplan.planner.search",
     "PlanAnswer": "vramplan.planner.answer",
@@ -102,6 +103,7 @@ __all__ = [
     "models",
     "find_models",
     "ModelMatch",
+    "tasks",
     "calibrate",
     "parallel_layout",
     "Recipe",

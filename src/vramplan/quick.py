@@ -20,7 +20,7 @@ from vramplan.device.catalog import GpuSpec, catalog
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe, parse_shape
 from vramplan.result import Estimate
-from vramplan.sources import PREFIXES, model_names, with_source
+from vramplan.sources import PREFIXES, model_names, model_tasks, with_source
 from vramplan.sources.catalog import search as search_catalog
 from vramplan.sources.configs import load_config_dict, validate_config
 from vramplan.units import parse_count
@@ -132,7 +132,7 @@ def gpus() -> tuple[GpuSpec, ...]:
 
 
 def models(source: str = "hf") -> list[str]:
-    """The model names a source (``hf``, ``torchvision``, ``timm``) accepts."""
+    """The model names a source (``hf``, ``torchvision``, ``timm``, ``diffusers``) accepts."""
     return model_names(source)
 
 
@@ -148,6 +148,8 @@ class ModelMatch:
     """The published parameter count (bundled Hugging Face configs only)."""
     params_exact: bool = True
     """False where the published count is a rounded figure (``1.7B``)."""
+    task: str = ""
+    """What vramplan trains for it, where that differs per model (torchvision)."""
 
 
 def find_models(text: str = "", source: str | None = None) -> list[ModelMatch]:
@@ -158,20 +160,30 @@ def find_models(text: str = "", source: str | None = None) -> list[ModelMatch]:
         ['hf:meta-llama/Llama-3.2-3B-Instruct']
     """
     if source not in (None, *PREFIXES):
-        raise UserError(f"unknown source {source!r}; choose one of: hf, torchvision, timm")
+        raise UserError(f"unknown source {source!r}; choose one of: {', '.join(PREFIXES)}")
     found = [
         ModelMatch(f"hf:{e.hub_id}", e.family, e.licence, e.params, e.params_exact)
         for e in (search_catalog(text) if source in (None, "hf") else ())
     ]
     words = text.lower().split()
-    for library in ("torchvision", "timm"):
+    for library in ("torchvision", "timm", "diffusers"):
         if source not in (None, library):
             continue
         try:
-            names = model_names(library)
+            names = model_tasks(library) if library == "torchvision" else model_names(library)
         except UserError:  # the library is not installed: say so only when it was asked for
             if source == library:
                 raise
             continue
-        found += [ModelMatch(f"{library}:{n}") for n in names if all(w in n.lower() for w in words)]
+        task = dict(names) if isinstance(names, dict) else {}
+        found += [
+            ModelMatch(f"{library}:{n}", task=task.get(n, ""))
+            for n in names
+            if all(w in n.lower() for w in words)
+        ]
     return found
+
+
+def tasks(source: str = "torchvision") -> dict[str, str]:
+    """What vramplan trains for each model a source accepts (``vramplan models``)."""
+    return model_tasks(source)

@@ -91,6 +91,11 @@ class Recipe:
     new_tokens: int | None = None
     cache: str = "dynamic"
     num_beams: int = 1
+    # Vision tasks (sources/detection.py): targets per image and the data-dependent counts.
+    boxes_per_image: int = 20
+    detection_counts: str = "max"
+    resolution: int | None = None  # diffusion (sources/diffusion.py): image side in pixels
+    frames: int | None = None  # video (sources/vision.py): frames per clip
 
     def __post_init__(self) -> None:
         if (
@@ -126,6 +131,7 @@ class Recipe:
         _check_optimizer_impl(self)
         _check_finetune(self)
         _check_generation(self)
+        _check_vision(self)
 
     @property
     def checkpoint_blocks(self) -> int | None:
@@ -168,8 +174,11 @@ class Recipe:
             data.pop("extras")
         if data["optimizer_impl"] == "auto":
             data.pop("optimizer_impl")
-        for name, default in {**FINETUNE_DEFAULTS, **GENERATION_DEFAULTS}.items():
-            # absent unless asked for
+        for name, default in {
+            **FINETUNE_DEFAULTS,
+            **GENERATION_DEFAULTS,
+            **VISION_DEFAULTS,
+        }.items():  # absent unless asked for
             if data[name] == default:
                 data.pop(name)
         return data
@@ -297,3 +306,27 @@ def _check_generation(recipe: Recipe) -> None:
         )
     if recipe.lora_rank or recipe.freeze or recipe.train_only:
         raise UserError("--mode generate runs no training: LoRA and freezing do not apply")
+
+
+VISION_DEFAULTS = {
+    "boxes_per_image": 20,
+    "detection_counts": "max",
+    "resolution": None,
+    "frames": None,
+}
+DETECTION_COUNTS = ("max", "min")
+
+
+def _check_vision(recipe: Recipe) -> None:
+    """Validate the vision-task knobs in place."""
+    boxes = recipe.boxes_per_image
+    if not isinstance(boxes, int) or isinstance(boxes, bool) or boxes <= 0:
+        raise UserError(f"boxes per image must be a positive integer, got {boxes}")
+    for name in ("resolution", "frames"):
+        value = getattr(recipe, name)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value <= 0
+        ):
+            raise UserError(f"{name} must be a positive integer, got {value}")
+    counts = _choice(recipe.detection_counts, DETECTION_COUNTS, "detection count policy")
+    object.__setattr__(recipe, "detection_counts", counts)

@@ -111,7 +111,12 @@ def recipe_from_options(options: dict) -> Recipe:
     knobs = {name: options[name] for name in RECIPE_OPTIONS}
     if "optimizer_impl" in options:
         knobs["optimizer_impl"] = options["optimizer_impl"]
-    return Recipe(**knobs, **finetune_from_options(options), **generation_from_options(options))
+    return Recipe(
+        **knobs,
+        **finetune_from_options(options),
+        **generation_from_options(options),
+        **vision_from_options(options),
+    )
 
 
 def session_from_options(options: dict, **extra) -> vramplan.Session:
@@ -377,3 +382,42 @@ GENERATION_OPTIONS = ("prompt_len", "new_tokens", "cache", "num_beams")
 def generation_from_options(options: dict) -> dict:
     """The generation knobs among a command's options (those it has)."""
     return {name: options[name] for name in GENERATION_OPTIONS if name in options}
+
+
+# -- vision tasks (sources/detection.py, sources/diffusion.py) -----------------------------
+
+BoxesPerImageOpt = Annotated[
+    int,
+    typer.Option(
+        "--boxes-per-image",
+        help="Detection: ground-truth boxes (with masks/keypoints) per image in the batch.",
+    ),
+]
+DetectionCountsOpt = Annotated[
+    str,
+    typer.Option(
+        "--detection-counts",
+        help="Detection: max (data-dependent counts at the configured maxima: NMS keeps "
+        "everything, samplers reach their caps) | min (each ground-truth box matched once).",
+    ),
+]
+
+ResolutionOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--resolution",
+        help="Diffusion: image side in pixels (latents are 1/8 of it; default: the model's).",
+    ),
+]
+
+FramesOpt = Annotated[
+    int | None,
+    typer.Option("--frames", help="Video: frames per clip (input 3 x T x H x W; default 16)."),
+]
+
+VISION_OPTIONS = ("boxes_per_image", "detection_counts", "resolution", "frames")
+
+
+def vision_from_options(options: dict) -> dict:
+    """The vision-task knobs among a command's options (those it has), by Recipe name."""
+    return {name: options[name] for name in VISION_OPTIONS if name in options}

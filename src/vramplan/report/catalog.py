@@ -55,8 +55,9 @@ def render_models(matches: list[ModelMatch]) -> None:
     """One line per model; the bundled Hugging Face ones with their published parameter
     count (``~`` where the published figure is rounded), licence and family."""
     if not any(m.licence for m in matches):
+        width = max(len(m.name) for m in matches)
         for match in matches:
-            print(match.name)
+            print(f"{match.name:<{width}}  {match.task}".rstrip())
         return
     width = max(len(m.name) for m in matches)
     print(f"{'model':<{width}}  {'parameters':>17}  {'licence':<26}  family")

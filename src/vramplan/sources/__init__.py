@@ -14,7 +14,7 @@ from vramplan.recipe import Recipe
 if TYPE_CHECKING:
     from vramplan.sources.base import BuiltModel
 
-PREFIXES = ("torchvision", "timm", "hf")
+PREFIXES = ("torchvision", "timm", "hf", "diffusers")
 
 
 def resolve(
@@ -25,8 +25,9 @@ def resolve(
     allow_custom_objects: bool = False,
 ) -> BuiltModel:
     """``torchvision:NAME``, ``timm:NAME``, ``hf:NAME`` (or ``hf:path/config.json``), a bare
-    hub id ``ORG/NAME``, ``keras:NAME|file.keras|file.py:factory``, ``path/to/file.py:factory``
-    or ``package.module:factory``; built on the meta device (for tracing) or, for a real run,
+    hub id ``ORG/NAME``, ``diffusers:NAME`` (a bundled config or ``diffusers:path/config.json``),
+    ``keras:NAME|file.keras|file.py:factory``, ``path/to/file.py:factory`` or
+    ``package.module:factory``; built on the meta device (for tracing) or, for a real run,
     initialised on ``device``. A Hugging Face repository's own modeling code runs only with
     ``trust_remote_code``; ``allow_custom_objects`` lets a ``.keras`` file's custom classes
     be imported."""
@@ -35,7 +36,8 @@ def resolve(
     if not sep or not rest:
         raise UserError(
             f"cannot read model {spec!r}: use torchvision:NAME, timm:NAME, hf:NAME, "
-            "a hub id ORG/NAME, keras:NAME, path/to/file.py:factory or package.module:factory"
+            "a hub id ORG/NAME, diffusers:NAME, keras:NAME, path/to/file.py:factory or "
+            "package.module:factory"
         )
     if prefix == "keras":
         if device != "meta":
@@ -80,12 +82,16 @@ def _build_named(
         from vramplan.sources.vision import build_timm
 
         return build_timm(rest, recipe, device)
+    if prefix == "diffusers":
+        from vramplan.sources.diffusion import build_diffusers
+
+        return build_diffusers(rest, recipe, device)
     from vramplan.sources.hf import build_hf
 
     return build_hf(rest, recipe, device, trust_remote_code)
 
 
-__all__ = ["BuiltModel", "resolve", "with_source", "model_names", "PREFIXES"]
+__all__ = ["BuiltModel", "resolve", "with_source", "model_names", "model_tasks", "PREFIXES"]
 
 
 def __getattr__(name: str):
@@ -108,15 +114,32 @@ def model_names(source: str) -> list[str]:
 
         return bundled_configs()
     if source == "torchvision":
-        from vramplan.sources.vision import require_package
+        from vramplan.sources.vision import require_package, torchvision_tasks
 
-        torchvision = require_package("torchvision", "vision")
-        return sorted(
-            torchvision.models.list_models(module=torchvision.models)
-            + torchvision.models.list_models(module=torchvision.models.segmentation)
-        )
+        require_package("torchvision", "vision")
+        return list(torchvision_tasks())
     if source == "timm":
         from vramplan.sources.vision import require_package
 
         return sorted(require_package("timm", "timm").list_models())
-    raise UserError(f"unknown source {source!r}; choose one of: hf, torchvision, timm")
+    if source == "diffusers":
+        from vramplan.sources.diffusion import bundled_diffusers
+
+        return bundled_diffusers()
+    raise UserError(f"unknown source {source!r}; choose one of: hf, torchvision, timm, diffusers")
+
+
+def model_tasks(source: str) -> dict[str, str]:
+    """What vramplan trains for each name of ``source`` (torchvision: per model; others:
+    one task for all)."""
+    if source == "torchvision":
+        from vramplan.sources.vision import require_package, torchvision_tasks
+
+        require_package("torchvision", "vision")
+        return torchvision_tasks()
+    task = {
+        "hf": "train, infer",
+        "timm": "classification: train, infer",
+        "diffusers": "noise-prediction training on precomputed latents, infer",
+    }.get(source, "")
+    return dict.fromkeys(model_names(source), task)

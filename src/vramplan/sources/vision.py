@@ -55,9 +55,12 @@ def _segmentation(name: str, model: nn.Module, shape: tuple[int, ...], classes: 
         output = module(images)
         if not training:
             return output
-        loss = nn.functional.cross_entropy(output["out"], masks)
+        # as torchvision's references/segmentation: unlabelled pixels are 255, the aux
+        # head's loss weighs 0.5
+        loss = nn.functional.cross_entropy(output["out"], masks, ignore_index=255)
         if "aux" in output:
-            loss = loss + 0.5 * nn.functional.cross_entropy(output["aux"], masks)
+            aux = nn.functional.cross_entropy(output["aux"], masks, ignore_index=255)
+            loss = loss + 0.5 * aux
         return loss
 
     return BuiltModel(
@@ -79,22 +82,96 @@ def build_torchvision(name: str, recipe: Recipe, device: str = "meta") -> BuiltM
     if name not in classification and name not in segmentation:
         detection = torchvision.models.list_models(module=torchvision.models.detection)
         if name in detection:
-            raise UserError(
-                f"torchvision:{name} is a detection model: its loss needs data-dependent box "
-                "matching that fake tensors cannot run; estimate its backbone instead"
-            )
-        raise _unknown("torchvision", name, classification + segmentation)
+            from vramplan.sources.detection import build_detection
+
+            return build_detection(name, recipe, device)
+        if name in torchvision.models.list_models(module=torchvision.models.video):
+            return _video(torchvision, name, recipe, device)
+        _refuse_other_tasks(torchvision, name)
+        raise _unknown("torchvision", name, classification + segmentation + detection)
     size = _DEFAULT_SIZES.get(name, 520 if name in segmentation else 224)
     shape = _image_shape(recipe, size)
     kwargs = {"weights": None}
     if name in segmentation:
-        kwargs.update(weights_backbone=None, aux_loss=True)
+        kwargs.update(weights_backbone=None)
+        if not name.startswith("lraspp"):  # LR-ASPP has no auxiliary head
+            kwargs.update(aux_loss=True)
     with torch.device(device):
         model = torchvision.models.get_model(name, **kwargs)
     if name in segmentation:
-        built = _segmentation(name, model, shape, model.classifier[-1].out_channels)
+        convs = [m for m in model.classifier.modules() if isinstance(m, nn.Conv2d)]
+        built = _segmentation(name, model, shape, convs[-1].out_channels)
     else:
         built = image_classifier(f"torchvision:{name}", type(model).__name__, model, shape)
+    built.enable_checkpointing = checkpoint_repeated_blocks
+    built.blocks = len(true_repeated_blocks(model))
+    return built
+
+
+# torchvision's model families vramplan does not train yet, and what each would need.
+UNSUPPORTED_TASKS = {
+    "optical_flow": "an optical-flow model: its step needs image pairs, flow targets and "
+    "RAFT's sequence loss over the refinement iterations",
+    "quantization": "a quantized model: torchvision's int8 models run fbgemm/qnnpack CPU "
+    "kernels, not a CUDA training step",
+}
+
+
+def _refuse_other_tasks(torchvision, name: str) -> None:
+    for family, what in UNSUPPORTED_TASKS.items():
+        if name in torchvision.models.list_models(module=getattr(torchvision.models, family)):
+            raise UserError(
+                f"torchvision:{name} is {what}; vramplan does not build that step yet: write "
+                "it as a step function and trace it with vramplan.estimate_step"
+            )
+
+
+def torchvision_tasks() -> dict[str, str]:
+    """What vramplan trains for each torchvision model it accepts.
+
+    >>> torchvision_tasks()["maskrcnn_resnet50_fpn"]
+    'instance segmentation: train with targets (--boxes-per-image), infer'
+    """
+    import torchvision
+
+    def names(module) -> list[str]:
+        return torchvision.models.list_models(module=module)
+
+    tasks = dict.fromkeys(names(torchvision.models), "classification: train, infer")
+    segmentation = "semantic segmentation: train (cross-entropy, aux head), infer"
+    tasks.update(dict.fromkeys(names(torchvision.models.segmentation), segmentation))
+    video = "video classification: train, infer (--frames)"
+    tasks.update(dict.fromkeys(names(torchvision.models.video), video))
+    for name in names(torchvision.models.detection):
+        kind = "detection"
+        if name.startswith("maskrcnn"):
+            kind = "instance segmentation"
+        elif name.startswith("keypointrcnn"):
+            kind = "keypoint detection"
+        tasks[name] = f"{kind}: train with targets (--boxes-per-image), infer"
+    return dict(sorted(tasks.items()))
+
+
+# The clip side torchvision's video weights were trained at (KINETICS400_V1 transforms).
+_CLIP_SIDES = {"r3d_18": 112, "mc3_18": 112, "r2plus1d_18": 112}
+CLIP_FRAMES = 16
+
+
+def _video(torchvision, name: str, recipe: Recipe, device: str) -> BuiltModel:
+    """A torchvision video classifier on clips ``3 x T x H x W`` (``--frames`` sets T)."""
+    shape = recipe.input_shape
+    if shape is None:
+        side = _CLIP_SIDES.get(name, 224)
+        shape = (3, recipe.frames or CLIP_FRAMES, side, side)
+    elif len(shape) != 4:
+        raise UserError(f"video models take --input-shape CxTxHxW, got {shape}")
+    elif recipe.frames is not None:
+        shape = (shape[0], recipe.frames, *shape[2:])
+    with torch.device(device):
+        model = torchvision.models.get_model(name, weights=None)
+    built = image_classifier(f"torchvision:{name}", type(model).__name__, model, shape)
+    built.kind = "video"
+    built.input_hint = "check --input-shape (CxTxHxW) / --frames"
     built.enable_checkpointing = checkpoint_repeated_blocks
     built.blocks = len(true_repeated_blocks(model))
     return built

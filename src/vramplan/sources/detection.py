@@ -1,0 +1,202 @@
+"""``torchvision:`` detection and instance-segmentation models trained with their targets.
+
+The batch is what torchvision's reference scripts (``references/detection/train.py``)
+hand the model: a list of images and a list of targets (``boxes``, ``labels``, ``masks``
+at image size for Mask R-CNN, ``keypoints`` for Keypoint R-CNN); the model's own
+``GeneralizedRCNNTransform`` (or SSD's) resizes them to ``min_size``/``max_size`` and pads
+the batch to the largest image, rounded up to a multiple of 32. The loss is the sum of
+the model's loss dict. The data-dependent steps run under a ``CountPolicy``
+(``data_dependent.py``). The backbone is laid out as the reference scripts train it: an
+ImageNet-initialised backbone (``--weights-backbone``: FrozenBatchNorm2d, the first layers
+frozen by ``trainable_backbone_layers``), except SSDlite, which they train from scratch;
+no weights are loaded.
+
+>>> built = build_detection("fasterrcnn_resnet50_fpn", Recipe(batch_size=2))
+>>> built.kind, built.default_input_shape
+('detection', (3, 800, 1333))
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import torch
+from torch import nn
+
+from vramplan.errors import UserError
+from vramplan.recipe import Recipe
+from vramplan.sources.base import Batch, BuiltModel
+from vramplan.sources.data_dependent import CountPolicy, Ledger, PolicySampler, counted
+
+# The reference scripts train these from scratch (no --weights-backbone).
+FROM_SCRATCH = ("ssdlite320_mobilenet_v3_large",)
+_SKIPPED = object()
+
+
+def detection_models() -> list[str]:
+    """torchvision's detection model names."""
+    import torchvision
+
+    return torchvision.models.list_models(module=torchvision.models.detection)
+
+
+@contextlib.contextmanager
+def _backbone_layout_without_weights() -> Iterator[None]:
+    """Let a builder take its ``weights_backbone`` branch (FrozenBatchNorm2d, frozen
+    layers) without downloading or loading anything."""
+    from torchvision.models._api import WeightsEnum
+
+    get_state_dict = WeightsEnum.get_state_dict
+    load_state_dict = nn.Module.load_state_dict
+
+    def skip_loading(module, state_dict, *args, **kwargs):
+        if state_dict is _SKIPPED:
+            return None
+        return load_state_dict(module, state_dict, *args, **kwargs)
+
+    WeightsEnum.get_state_dict = lambda *args, **kwargs: _SKIPPED
+    nn.Module.load_state_dict = skip_loading
+    try:
+        yield
+    finally:
+        WeightsEnum.get_state_dict = get_state_dict
+        nn.Module.load_state_dict = load_state_dict
+
+
+def _build(name: str, device: str, options: dict) -> nn.Module:
+    import torchvision
+
+    kwargs = {"weights": None, **options}
+    if name in FROM_SCRATCH:
+        kwargs["weights_backbone"] = None
+    with _backbone_layout_without_weights(), torch.device(device):
+        return torchvision.models.get_model(name, **kwargs)
+
+
+def _image_shapes(recipe: Recipe, default: tuple[int, int, int], sizes) -> list[tuple]:
+    if sizes:
+        return [tuple(s) for s in sizes]
+    shape = recipe.input_shape or default
+    if len(shape) != 3:
+        raise UserError(f"detection models take --input-shape CxHxW, got {shape}")
+    return [shape]
+
+
+def _policy_hooks(model: nn.Module, policy: CountPolicy, ledger: Ledger) -> None:
+    """Samplers with the policy's counts; the multi-scale size choice at its largest."""
+    for head, owner in (("rpn", "rpn"), ("roi", "roi_heads")):
+        module = getattr(model, owner, None)
+        if module is not None and hasattr(module, "fg_bg_sampler"):
+            module.fg_bg_sampler = PolicySampler(module.fg_bg_sampler, policy, ledger, head)
+    model.transform.torch_choice = max  # the largest of the multi-scale min sizes
+
+
+def build_detection(
+    name: str,
+    recipe: Recipe,
+    device: str = "meta",
+    image_sizes: Sequence[tuple[int, int, int]] | None = None,
+    model_options: dict | None = None,
+) -> BuiltModel:
+    """A torchvision detection model with a synthetic batch of images and targets;
+    ``image_sizes`` (one CxHxW per image, cycled over the batch) overrides
+    ``--input-shape`` to mix sizes in one batch; ``model_options`` go to the builder
+    (``min_size``, ``rpn_post_nms_top_n_train``, ``box_batch_size_per_image``, ...)."""
+    if name not in detection_models():
+        raise UserError(f"torchvision:{name} is not a detection model")
+    model = _build(name, device, model_options or {})
+    built = detection_source(model, f"torchvision:{name}", recipe, image_sizes)
+    if name in FROM_SCRATCH:
+        built.notes.append("backbone trained from scratch, as torchvision's reference script does")
+    else:
+        built.notes.append(
+            "backbone laid out as the reference scripts train it from ImageNet weights "
+            "(FrozenBatchNorm2d, trainable_backbone_layers default); no weights loaded"
+        )
+    return built
+
+
+def detection_source(
+    model: nn.Module,
+    name: str,
+    recipe: Recipe,
+    image_sizes: Sequence[tuple[int, int, int]] | None = None,
+) -> BuiltModel:
+    """A ``BuiltModel`` for any torchvision-style detection model (a ``GeneralizedRCNN``,
+    ``RetinaNet``, ``FCOS`` or ``SSD`` built by the caller, on the meta device for tracing)."""
+    policy = CountPolicy(recipe.detection_counts, recipe.boxes_per_image)
+    ledger = Ledger()
+    _policy_hooks(model, policy, ledger)
+    transform = model.transform
+    default = (3, max(transform.min_size), transform.max_size)
+    shapes = _image_shapes(recipe, default, image_sizes)
+    classes = _classes(model)
+    keypoints = getattr(getattr(model, "roi_heads", None), "keypoint_predictor", None)
+    with_masks = getattr(getattr(model, "roi_heads", None), "mask_predictor", None) is not None
+    boxes = recipe.boxes_per_image
+
+    def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
+        images, targets = [], []
+        for index in range(batch_size):
+            channels, height, width = shapes[index % len(shapes)]
+            images.append(torch.rand(channels, height, width, dtype=dtype))
+            corner = torch.rand(boxes, 2) * torch.tensor([width / 2, height / 2])
+            target = {
+                "boxes": torch.cat([corner, corner + torch.tensor([width / 2, height / 2])], 1),
+                "labels": torch.randint(1, classes, (boxes,)),
+            }
+            if with_masks:
+                target["masks"] = torch.zeros(boxes, height, width, dtype=torch.uint8)
+            if keypoints is not None:
+                target["keypoints"] = torch.ones(boxes, _keypoint_count(model), 3)
+            targets.append(target)
+        return images, targets
+
+    def run(module: nn.Module, batch: Batch, training: bool):
+        images, targets = batch
+        ledger.sampled.clear()
+        _anchor_templates(module)
+        with counted(ledger):
+            if not training:
+                return module(images)
+            losses = module(images, targets)
+        return sum(losses.values())
+
+    notes = [policy.note(), f"{boxes} ground-truth boxes per image (--boxes-per-image)"]
+    return BuiltModel(
+        name=name,
+        architecture=type(model).__name__,
+        kind="detection",
+        model=model,
+        make_batch=make_batch,
+        run=run,
+        default_input_shape=default,
+        notes=notes,
+        input_hint="check --input-shape (CxHxW) and --boxes-per-image",
+    )
+
+
+def _anchor_templates(model: nn.Module) -> None:
+    """Rebuild the anchor templates the generators hold in plain lists (not buffers, so
+    built on the meta device) as tensors of the running mode."""
+    for module in model.modules():
+        if hasattr(module, "cell_anchors"):  # AnchorGenerator
+            module.cell_anchors = [
+                module.generate_anchors(size, ratios)
+                for size, ratios in zip(module.sizes, module.aspect_ratios, strict=True)
+            ]
+        if hasattr(module, "_wh_pairs"):  # SSD's DefaultBoxGenerator
+            module._wh_pairs = module._generate_wh_pairs(len(module.aspect_ratios))
+
+
+def _classes(model: nn.Module) -> int:
+    heads = getattr(model, "roi_heads", None)
+    if heads is not None:
+        return heads.box_predictor.cls_score.out_features
+    head = model.head.classification_head
+    return getattr(head, "num_classes", None) or head.num_columns  # SSD names it num_columns
+
+
+def _keypoint_count(model: nn.Module) -> int:
+    return model.roi_heads.keypoint_predictor.kps_score_lowres.out_channels

@@ -1,0 +1,146 @@
+"""``diffusers:NAME``: a diffusion UNet or DiT trained on precomputed latents.
+
+``NAME`` is a bundled config (``data/diffusers/*.json``, written from the models'
+``config.json``: ``sd15-unet``, ``sd21-unet``, ``sdxl-unet``, ``dit-xl-2-256``) or a path to
+a diffusers ``config.json``. The step is the diffusers training scripts' step with the
+VAE latents and text embeddings precomputed: noisy latents ``(4, res/8, res/8)``, a
+timestep and the text encoder's states (``--seq-len`` tokens, 77 by default; SDXL adds its
+pooled embedding and six time ids; a DiT takes a class label) go in, and the loss is the
+mean squared error of the predicted noise. ``--resolution`` sets the image side in pixels
+(the latents are an eighth of it); ``--input-shape`` sets the latent shape itself.
+
+>>> built = build_diffusers("sd15-unet", Recipe(batch_size=4))
+>>> built.default_input_shape, sum(p.numel() for p in built.model.parameters())
+((4, 64, 64), 859520964)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vramplan.errors import UserError
+from vramplan.recipe import Recipe
+from vramplan.sources.base import Batch, BuiltModel
+
+CONFIGS = Path(__file__).resolve().parent.parent / "data" / "diffusers"
+CLASSES = ("UNet2DConditionModel", "DiTTransformer2DModel")
+TEXT_TOKENS = 77  # CLIP's context length
+LATENT_FACTOR = 8  # the Stable Diffusion VAE downsamples by 8
+
+
+def bundled_diffusers() -> list[str]:
+    """The bundled diffusion configs.
+
+    >>> "sd15-unet" in bundled_diffusers()
+    True
+    """
+    return sorted(p.stem for p in CONFIGS.glob("*.json"))
+
+
+def _config(name: str) -> dict:
+    path = CONFIGS / f"{name}.json"
+    if not path.exists():
+        path = Path(name)
+        if path.is_dir():
+            path = path / "config.json"
+        if not path.exists():
+            raise UserError(
+                f"unknown diffusers model {name!r}: give one of {', '.join(bundled_diffusers())} "
+                "or a path to a diffusers config.json"
+            )
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise UserError(f"cannot read diffusers config {path}: {exc}") from None
+    if not isinstance(config, dict) or config.get("_class_name") not in CLASSES:
+        raise UserError(
+            f"{path}: a diffusers config with _class_name {' or '.join(CLASSES)} is needed"
+        )
+    return config
+
+
+def _latent_shape(recipe: Recipe, config: dict) -> tuple[int, ...]:
+    if recipe.input_shape is not None:
+        if len(recipe.input_shape) != 3:
+            raise UserError(f"diffusion models take latents CxHxW, got {recipe.input_shape}")
+        return recipe.input_shape
+    side = (recipe.resolution or config["sample_size"] * LATENT_FACTOR) // LATENT_FACTOR
+    if side <= 0 or (recipe.resolution or 0) % LATENT_FACTOR:
+        raise UserError(f"--resolution must be a multiple of 8, got {recipe.resolution}")
+    return (config["in_channels"], side, side)
+
+
+def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
+    """A diffusers UNet2DConditionModel or DiTTransformer2DModel, no weights."""
+    from vramplan.sources.vision import require_package
+
+    diffusers = require_package("diffusers", "diffusion")
+    config = _config(name)
+    kind = config["_class_name"]
+    kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
+    try:
+        with torch.device(device):
+            model = getattr(diffusers, kind)(**kwargs)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"diffusers model {name!r} cannot be built: {exc}") from None
+    latents = _latent_shape(recipe, config)
+    tokens = recipe.seq_len or TEXT_TOKENS
+    unet = kind == "UNet2DConditionModel"
+
+    def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
+        noisy = torch.randn(batch_size, *latents, dtype=dtype)
+        noise = torch.randn(batch_size, *latents, dtype=dtype)
+        timesteps = torch.randint(0, 1000, (batch_size,))
+        if not unet:
+            return noisy, timesteps, {"class_labels": torch.randint(0, 1000, (batch_size,))}, noise
+        states = torch.randn(batch_size, tokens, config["cross_attention_dim"], dtype=dtype)
+        extra = {"encoder_hidden_states": states}
+        if config.get("addition_embed_type") == "text_time":  # SDXL
+            pooled = config["projection_class_embeddings_input_dim"] - 6 * config.get(
+                "addition_time_embed_dim", 256
+            )
+            extra["added_cond_kwargs"] = {
+                "text_embeds": torch.randn(batch_size, pooled, dtype=dtype),
+                "time_ids": torch.randn(batch_size, 6, dtype=dtype),
+            }
+        return noisy, timesteps, extra, noise
+
+    def run(module: nn.Module, batch: Batch, training: bool):
+        noisy, timesteps, extra, noise = batch
+        predicted = module(noisy, timesteps, **extra).sample
+        if not training:
+            return predicted
+        # a DiT predicts the noise and its variance: the loss reads the noise half
+        predicted = predicted[:, : noise.shape[1]]
+        return nn.functional.mse_loss(predicted.float(), noise.float())
+
+    def checkpoint(module: nn.Module, limit: int | None) -> int:
+        if limit is not None:
+            raise UserError(
+                "diffusers models recompute all their blocks or none: use --checkpointing full"
+            )
+        module.enable_gradient_checkpointing()
+        return 1
+
+    return BuiltModel(
+        name=f"diffusers:{name}",
+        architecture=kind,
+        kind="diffusion",
+        model=model,
+        make_batch=make_batch,
+        run=run,
+        default_input_shape=latents,
+        enable_checkpointing=checkpoint,
+        blocks=1,
+        sequence=unet,
+        notes=[
+            "latents and text embeddings precomputed (VAE and text encoder not on the GPU); "
+            f"latents {'x'.join(map(str, latents))}"
+            + (f", {tokens} text tokens" if unet else ", class-conditional")
+        ],
+        input_hint="check --resolution / --input-shape (latents CxHxW) / --seq-len",
+    )

@@ -1,0 +1,102 @@
+"""Detection training traced with its targets and its data-dependent steps.
+
+A small Mask R-CNN (torchvision's ``MaskRCNN`` around a two-convolution backbone) keeps
+the test fast; its heads, samplers, NMS and losses are torchvision's own.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from vramplan.measurement.run import measure_built
+from vramplan.pipeline import estimate_built
+from vramplan.recipe import Recipe
+from vramplan.sources.data_dependent import CountMode, Ledger
+from vramplan.sources.detection import build_detection, detection_source
+
+torchvision = pytest.importorskip("torchvision")
+from torchvision.models.detection import MaskRCNN  # noqa: E402
+from torchvision.models.detection.anchor_utils import AnchorGenerator  # noqa: E402
+from torchvision.ops import MultiScaleRoIAlign  # noqa: E402
+
+SIZE = 96
+
+
+def tiny_mask_rcnn(**options) -> nn.Module:
+    backbone = nn.Sequential(
+        nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, 2, 1)
+    )
+    backbone.out_channels = 32
+    return MaskRCNN(
+        backbone,
+        num_classes=5,
+        min_size=SIZE,
+        max_size=SIZE * 2,
+        rpn_anchor_generator=AnchorGenerator(((16, 32),), ((0.5, 1.0, 2.0),)),
+        box_roi_pool=MultiScaleRoIAlign(["0"], 7, 2),
+        mask_roi_pool=MultiScaleRoIAlign(["0"], 14, 2),
+        rpn_pre_nms_top_n_train=300,
+        rpn_post_nms_top_n_train=200,
+        box_batch_size_per_image=128,
+        representation_size=64,
+        **options,
+    )
+
+
+def _built(recipe: Recipe, device: str = "meta", image_sizes=None):
+    with torch.device(device):
+        model = tiny_mask_rcnn()
+    return detection_source(model, "tiny-mask-rcnn", recipe, image_sizes)
+
+
+RECIPE = Recipe(batch_size=2, input_shape=(3, SIZE, SIZE), optimizer="momentum", boxes_per_image=3)
+
+
+def test_mask_rcnn_trains_with_targets_policies_order_and_sizes_pad_to_the_larger():
+    sizes = [(3, SIZE, SIZE + 40), (3, SIZE // 2, SIZE // 2)]
+    peaks, seen = {}, []
+    for counts in ("max", "min"):
+        recipe = RECIPE.with_changes(detection_counts=counts)
+        built = _built(recipe, image_sizes=sizes)
+        built.model.backbone.register_forward_pre_hook(lambda m, args: seen.append(args[0].shape))
+        estimate = estimate_built(built, recipe, target="cpu")
+        peaks[counts] = estimate.peak.allocated_bytes
+        assert any(f"policy {counts}" in note for note in estimate.notes)
+    # max: 32 positives per image (128 x 0.25) run the mask head; min: the 3 ground-truth boxes
+    assert peaks["max"] > peaks["min"]
+    # the first image keeps its size (its short side is min_size), the second doubles to
+    # 96x96; the batch takes the larger, its sides rounded up to a multiple of 32
+    assert tuple(seen[0]) == (2, 3, SIZE, math.ceil((SIZE + 40) / 32) * 32)
+
+
+def test_trace_matches_a_real_cpu_step_under_the_same_policy():
+    """The real step runs the same policy (its samplers write the labels the counts stand
+    for), so both take the same sizes; PyTorch's profiler gives the real peak."""
+    recipe = RECIPE.with_changes(batch_size=1)
+    traced = estimate_built(_built(recipe), recipe, target="cpu").peak.allocated_bytes
+    real = measure_built(_built(recipe, "cpu"), recipe, "cpu", steps=2).allocated_bytes
+    assert traced == pytest.approx(real, rel=0.03)
+
+
+def test_nms_and_nonzero_answer_with_the_policy_counts():
+    with FakeTensorMode(), CountMode(Ledger()):
+        boxes = torch.rand(50, 4)
+        keep = torchvision.ops.nms(boxes, torch.rand(50), 0.5)
+        found = torch.nonzero(torch.rand(7, 3) > 0.5)
+        selected = torch.rand(10, 4)[torch.rand(10) > 0.5]
+    assert tuple(keep.shape) == (50,)  # NMS keeps every box
+    assert tuple(found.shape) == (21, 2)  # a mask is all true
+    assert tuple(selected.shape) == (10, 4)
+
+
+def test_a_torchvision_detection_model_builds_with_the_reference_backbone():
+    built = build_detection("fasterrcnn_resnet50_fpn", RECIPE)
+    frozen = [n for n, p in built.model.backbone.body.named_parameters() if not p.requires_grad]
+    assert frozen and all(n.startswith(("conv1", "layer1")) for n in frozen)
+    bn = type(built.model.backbone.body.bn1).__name__
+    assert bn == "FrozenBatchNorm2d"

@@ -1,0 +1,79 @@
+"""Diffusion training on precomputed latents: diffusers UNets and DiTs from configs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vramplan.errors import UserError
+from vramplan.measurement.run import measure_built
+from vramplan.pipeline import estimate_built
+from vramplan.recipe import Recipe
+from vramplan.sources import resolve
+
+pytest.importorskip("diffusers")
+
+TINY_UNET = {
+    "_class_name": "UNet2DConditionModel",
+    "block_out_channels": [32, 64],
+    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+    "layers_per_block": 1,
+    "cross_attention_dim": 32,
+    "attention_head_dim": 8,
+    "norm_num_groups": 8,
+    "sample_size": 8,
+    "in_channels": 4,
+    "out_channels": 4,
+}
+TINY_DIT = {
+    "_class_name": "DiTTransformer2DModel",
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "in_channels": 4,
+    "out_channels": 8,
+    "num_layers": 2,
+    "sample_size": 8,
+    "patch_size": 2,
+    "num_embeds_ada_norm": 1000,
+}
+
+
+@pytest.fixture
+def configs(tmp_path):
+    paths = {}
+    for name, config in (("unet", TINY_UNET), ("dit", TINY_DIT)):
+        paths[name] = tmp_path / f"{name}.json"
+        paths[name].write_text(json.dumps(config))
+    return paths
+
+
+@pytest.mark.parametrize("name", ["unet", "dit"])
+def test_a_training_step_matches_a_real_cpu_step(configs, name):
+    recipe = Recipe(batch_size=2, optimizer="adamw", seq_len=16)
+    spec = f"diffusers:{configs[name]}"
+    traced = estimate_built(resolve(spec, recipe), recipe, target="cpu").peak.allocated_bytes
+    real = measure_built(resolve(spec, recipe, "cpu"), recipe, "cpu", steps=2).allocated_bytes
+    assert traced == pytest.approx(real, rel=0.02)
+
+
+def test_resolution_sets_the_latents_to_an_eighth(configs):
+    built = resolve(f"diffusers:{configs['unet']}", Recipe(resolution=128))
+    assert built.default_input_shape == (4, 16, 16)
+    with pytest.raises(UserError, match="multiple of 8"):
+        resolve(f"diffusers:{configs['unet']}", Recipe(resolution=100))
+
+
+def test_the_bundled_sdxl_unet_has_its_published_size():
+    built = resolve("diffusers:sdxl-unet", Recipe())
+    # Stability AI's SDXL base UNet: 2.6B parameters (2,567,463,684 in its safetensors)
+    assert sum(p.numel() for p in built.model.parameters()) == 2_567_463_684
+    assert built.default_input_shape == (4, 128, 128)  # 1024 px
+
+
+def test_a_config_of_another_class_is_refused(tmp_path):
+    path = tmp_path / "vae.json"
+    path.write_text(json.dumps({"_class_name": "AutoencoderKL"}))
+    with pytest.raises(UserError, match="UNet2DConditionModel or DiTTransformer2DModel"):
+        resolve(f"diffusers:{path}", Recipe())

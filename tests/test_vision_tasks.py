@@ -1,0 +1,39 @@
+"""Video clips, the per-model task list and the refusal of tasks vramplan does not train."""
+
+from __future__ import annotations
+
+import pytest
+
+from vramplan.errors import UserError
+from vramplan.measurement.run import measure_built
+from vramplan.pipeline import estimate_built
+from vramplan.recipe import Recipe
+from vramplan.sources import model_tasks, resolve
+
+torchvision = pytest.importorskip("torchvision")
+
+
+def test_a_video_clip_step_matches_a_real_cpu_step():
+    recipe = Recipe(batch_size=1, input_shape=(3, 4, 32, 32), frames=2, optimizer="sgd")
+    built = resolve("torchvision:r3d_18", recipe)
+    assert built.default_input_shape == (3, 2, 32, 32)  # --frames replaces T
+    traced = estimate_built(built, recipe, target="cpu").peak.allocated_bytes
+    real = measure_built(resolve("torchvision:r3d_18", recipe, "cpu"), recipe, "cpu", steps=2)
+    # the CPU's slow_conv3d keeps im2col columns of its own (3.5 MB of 271 MB here)
+    assert traced == pytest.approx(real.allocated_bytes, rel=0.02)
+
+
+def test_video_models_want_a_clip_shape():
+    with pytest.raises(UserError, match="CxTxHxW"):
+        resolve("torchvision:r3d_18", Recipe(input_shape=(3, 112, 112)))
+
+
+def test_every_torchvision_model_has_its_task_and_other_families_are_explained():
+    tasks = model_tasks("torchvision")
+    assert "targets" in tasks["keypointrcnn_resnet50_fpn"]
+    assert tasks["swin3d_t"].startswith("video")
+    assert tasks["lraspp_mobilenet_v3_large"].startswith("semantic segmentation")
+    with pytest.raises(UserError, match="optical-flow model: its step needs image pairs"):
+        resolve("torchvision:raft_small", Recipe())
+    with pytest.raises(UserError, match="quantized model"):
+        resolve("torchvision:quantized_resnet18", Recipe())
