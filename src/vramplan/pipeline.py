@@ -23,6 +23,7 @@ from vramplan.optimizers import MODELLED
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Estimate, ModelInfo
 from vramplan.sources import BuiltModel
+from vramplan.sources.hf_attention import check_attention_target
 from vramplan.sources.quantized import packed_numel_missing
 from vramplan.trace.events import Trace
 from vramplan.trace.materialize import unique_parameters
@@ -71,6 +72,7 @@ def trace_and_estimate(
     """``estimate_built`` that also returns the trace (to judge it on other cards)."""
     device = device or DeviceOptions()
     policy = policy or policy_for(target, device.card.arch)
+    check_attention_target(recipe.attention, policy.name, device.card.arch)
     trace = traced(built, recipe, policy, engine)
     notes = list(trace.notes)
     if recipe.is_training and recipe.optimizer in MODELLED:

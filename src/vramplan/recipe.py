@@ -80,6 +80,12 @@ class Recipe:
     quantize: str = "none"
     double_quant: bool = False
     compute_dtype: str | None = None
+    # How the named model is built and fed (sources/): attention kernel, expert routing,
+    # decoder length, classes of the head.
+    attention: str | None = None
+    moe_routing: str = "balanced"
+    target_len: int | None = None
+    num_classes: int | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -113,6 +119,7 @@ class Recipe:
                 )
             object.__setattr__(self, "optimizer", "none")
         _check_finetune(self)
+        _check_model_inputs(self)
 
     @property
     def checkpoint_blocks(self) -> int | None:
@@ -154,6 +161,9 @@ class Recipe:
         if not data["extras"]:
             data.pop("extras")
         for name, default in FINETUNE_DEFAULTS.items():  # absent unless asked for
+            if data[name] == default:
+                data.pop(name)
+        for name, default in MODEL_INPUT_DEFAULTS.items():
             if data[name] == default:
                 data.pop(name)
         return data
@@ -225,3 +235,37 @@ def _check_finetune(recipe: Recipe) -> None:
         raise UserError("--double-quant and --compute-dtype need --quantize nf4|fp4|int8")
     if recipe.quantize == "int8" and recipe.double_quant:
         raise UserError("--double-quant applies to 4-bit (nf4, fp4) weights, not int8")
+
+
+ATTENTION = ("eager", "sdpa", "flash_attention_2", "flex_attention")
+MOE_ROUTING = ("balanced", "worst")
+MODEL_INPUT_DEFAULTS = {
+    "attention": None,
+    "moe_routing": "balanced",
+    "target_len": None,
+    "num_classes": None,
+}
+
+
+def _check_model_inputs(recipe: Recipe) -> None:
+    """Validate the knobs that choose how a named model is built and fed.
+
+    >>> Recipe(attention="Flash_Attention_2", precision="bf16").attention
+    'flash_attention_2'
+    >>> Recipe(moe_routing="random")
+    Traceback (most recent call last):
+    vramplan.errors.UserError: unknown MoE routing 'random'; choose one of: balanced, worst
+    """
+    if recipe.attention is not None:
+        object.__setattr__(
+            recipe, "attention", _choice(recipe.attention, ATTENTION, "attention implementation")
+        )
+    object.__setattr__(
+        recipe, "moe_routing", _choice(recipe.moe_routing, MOE_ROUTING, "MoE routing")
+    )
+    for name, flag in (("target_len", "--target-len"), ("num_classes", "--num-classes")):
+        value = getattr(recipe, name)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value <= 0
+        ):
+            raise UserError(f"{flag} must be a positive integer, got {value}")

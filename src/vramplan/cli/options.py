@@ -86,7 +86,8 @@ def recipe_from_options(options: dict) -> Recipe:
     """Validate a command's recipe options (read by name from ``options``, e.g. the
     command's ``locals()``) into a Recipe; a UserError on any bad value."""
     knobs = {name: options[name] for name in RECIPE_OPTIONS}
-    return Recipe(**knobs, **finetune_from_options(options))
+    model_inputs = {name: options[name] for name in MODEL_INPUT_OPTIONS if name in options}
+    return Recipe(**knobs, **finetune_from_options(options), **model_inputs)
 
 
 def session_from_options(options: dict, **extra) -> vramplan.Session:
@@ -297,3 +298,35 @@ TimeoutOpt = Annotated[
         help="Seconds each call into your code (a factory, a traced step) may take.",
     ),
 ]
+
+
+# -- how a named model is built and fed (sources/) ------------------------------------------
+
+AttentionOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--attention",
+        help="eager | sdpa | flash_attention_2 | flex_attention: transformers' "
+        "attn_implementation (default: the config's, else sdpa).",
+    ),
+]
+MoeRoutingOpt = Annotated[
+    str,
+    typer.Option(
+        "--moe-routing",
+        help="balanced | worst: how tokens spread over a mixture-of-experts layer's experts "
+        "(balanced: evenly; worst: every token to the same top-k experts).",
+    ),
+]
+TargetLenOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--target-len", help="Decoder tokens per sample of an encoder-decoder model (T5, Whisper)."
+    ),
+]
+NumClassesOpt = Annotated[
+    int | None,
+    typer.Option("--num-classes", help="Classes of an image model's head (default: the model's)."),
+]
+
+MODEL_INPUT_OPTIONS = ("attention", "moe_routing", "target_len", "num_classes")

@@ -19,6 +19,8 @@ from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel
 from vramplan.sources.configs import load_config_dict, validate_config
+from vramplan.sources.hf_attention import NOTES, REGISTERED, attention_name, check_attention
+from vramplan.sources.hf_attention import register as register_attention
 
 DEFAULT_SEQ_LEN = 512
 DEFAULT_IMAGE_SIZE = 224
@@ -139,11 +141,13 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     label, data = load_config_dict(name)
     config = _make_config(transformers, label, data)
     model_class = _model_class(transformers, config, label)
+    attention = recipe.attention or data.get("attn_implementation", "sdpa")
+    check_attention(attention, model_class, recipe, f"hf:{label}")
+    if attention in REGISTERED:
+        register_attention(transformers)
     try:
         with torch.device(device):
-            model = model_class._from_config(
-                config, attn_implementation=data.get("attn_implementation", "sdpa")
-            )
+            model = model_class._from_config(config, attn_implementation=attention_name(attention))
     except Exception as exc:  # a config transformers accepts but cannot build
         reason = " ".join(str(exc).split())
         raise UserError(f"cannot build {model_class.__name__} from {label}: {reason}") from None
@@ -205,4 +209,5 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
         else None,
         blocks=len(checkpoint_layers(model)) if model.supports_gradient_checkpointing else 0,
         sequence=kind != "image-classification",
+        notes=[NOTES[recipe.attention]] if recipe.attention else [],
     )
