@@ -84,6 +84,7 @@ class Recipe:
     # decoder length, classes of the head.
     attention: str | None = None
     moe_routing: str = "balanced"
+    experts: str | None = None
     target_len: int | None = None
     num_classes: int | None = None
 
@@ -239,9 +240,11 @@ def _check_finetune(recipe: Recipe) -> None:
 
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flex_attention")
 MOE_ROUTING = ("balanced", "worst")
+EXPERTS = ("grouped_mm", "eager")
 MODEL_INPUT_DEFAULTS = {
     "attention": None,
     "moe_routing": "balanced",
+    "experts": None,
     "target_len": None,
     "num_classes": None,
 }
@@ -263,6 +266,10 @@ def _check_model_inputs(recipe: Recipe) -> None:
     object.__setattr__(
         recipe, "moe_routing", _choice(recipe.moe_routing, MOE_ROUTING, "MoE routing")
     )
+    if recipe.experts is not None:
+        object.__setattr__(
+            recipe, "experts", _choice(recipe.experts, EXPERTS, "experts implementation")
+        )
     for name, flag in (("target_len", "--target-len"), ("num_classes", "--num-classes")):
         value = getattr(recipe, name)
         if value is not None and (

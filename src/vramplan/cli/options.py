@@ -318,6 +318,14 @@ MoeRoutingOpt = Annotated[
         "(balanced: evenly; worst: every token to the same top-k experts).",
     ),
 ]
+ExpertsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--experts",
+        help="grouped_mm | eager: transformers' experts_implementation for mixture-of-experts "
+        "models (default grouped_mm; eager is the per-expert loop --moe-routing sizes).",
+    ),
+]
 TargetLenOpt = Annotated[
     int | None,
     typer.Option(
@@ -329,4 +337,4 @@ NumClassesOpt = Annotated[
     typer.Option("--num-classes", help="Classes of an image model's head (default: the model's)."),
 ]
 
-MODEL_INPUT_OPTIONS = ("attention", "moe_routing", "target_len", "num_classes")
+MODEL_INPUT_OPTIONS = ("attention", "moe_routing", "experts", "target_len", "num_classes")

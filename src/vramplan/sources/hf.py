@@ -21,6 +21,8 @@ from vramplan.sources.base import Batch, BuiltModel
 from vramplan.sources.configs import load_config_dict, validate_config
 from vramplan.sources.hf_attention import NOTES, REGISTERED, attention_name, check_attention
 from vramplan.sources.hf_attention import register as register_attention
+from vramplan.sources.hf_moe import experts_name, is_moe, moe_note
+from vramplan.sources.hf_moe import register as register_experts
 
 DEFAULT_SEQ_LEN = 512
 DEFAULT_IMAGE_SIZE = 224
@@ -145,9 +147,15 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     check_attention(attention, model_class, recipe, f"hf:{label}")
     if attention in REGISTERED:
         register_attention(transformers)
+    implementations = {"attn_implementation": attention_name(attention)}
+    if recipe.experts is not None:
+        if not is_moe(config):
+            raise UserError(f"--experts {recipe.experts}: hf:{label} has no mixture of experts")
+        register_experts(transformers)
+        implementations["experts_implementation"] = experts_name(recipe)
     try:
         with torch.device(device):
-            model = model_class._from_config(config, attn_implementation=attention_name(attention))
+            model = model_class._from_config(config, **implementations)
     except Exception as exc:  # a config transformers accepts but cannot build
         reason = " ".join(str(exc).split())
         raise UserError(f"cannot build {model_class.__name__} from {label}: {reason}") from None
@@ -209,5 +217,13 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
         else None,
         blocks=len(checkpoint_layers(model)) if model.supports_gradient_checkpointing else 0,
         sequence=kind != "image-classification",
-        notes=[NOTES[recipe.attention]] if recipe.attention else [],
+        notes=_notes(config, recipe, kind, shape),
     )
+
+
+def _notes(config, recipe: Recipe, kind: str, shape: tuple[int, ...]) -> list[str]:
+    """What the build chose that the reader should know: attention, expert routing."""
+    notes = [NOTES[recipe.attention]] if recipe.attention else []
+    if is_moe(config):
+        notes.append(moe_note(config, recipe, recipe.batch_size * shape[0]))
+    return notes
