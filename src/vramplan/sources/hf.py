@@ -10,6 +10,7 @@ and the model is built on the meta device::
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -18,17 +19,17 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel
-from vramplan.sources.configs import load_config_dict, validate_config
+from vramplan.sources.configs import WIDTH_KEYS, load_config_dict, validate_config
 from vramplan.sources.hf_attention import NOTES, REGISTERED, attention_name, check_attention
 from vramplan.sources.hf_attention import register as register_attention
+from vramplan.sources.hf_inputs import (
+    ENCODER_DECODER,
+    example_inputs,
+    model_kind,
+    value_checks_off,
+)
 from vramplan.sources.hf_moe import experts_name, is_moe, moe_note
 from vramplan.sources.hf_moe import register as register_experts
-
-DEFAULT_SEQ_LEN = 512
-DEFAULT_IMAGE_SIZE = 224
-# Models whose positions are learned embeddings cannot run past their table.
-_POSITION_KEYS = ("n_positions", "max_position_embeddings")
-_ABSOLUTE_POSITIONS = {"gpt2", "bert", "roberta", "vit", "gpt_neo", "opt", "distilbert"}
 
 
 def _transformers():
@@ -40,8 +41,24 @@ def _transformers():
     return transformers
 
 
+_CLASSIFIERS = ("ForImageClassification", "ForSequenceClassification")
+
+
+def _validate(name: str, data: dict[str, Any]) -> None:
+    """A composite config (CLIP, LLaVA: sizes only in ``text_config``/``vision_config``)
+    is validated part by part."""
+    parts = {k: v for k, v in data.items() if k.endswith("_config") and isinstance(v, dict)}
+    if not parts or any(key in data for key in WIDTH_KEYS):
+        validate_config(name, data)
+        return
+    if not isinstance(data.get("model_type"), str):
+        raise UserError(f"config {name} has no model_type")
+    for key, part in parts.items():
+        validate_config(f"{name} {key}", {"model_type": data["model_type"], **part})
+
+
 def _make_config(transformers, name: str, data: dict[str, Any]):
-    validate_config(name, data)
+    _validate(name, data)
     model_type = data["model_type"]
     try:
         config_class = transformers.CONFIG_MAPPING[model_type]
@@ -80,47 +97,6 @@ def _model_class(transformers, config, name: str):
     raise UserError(f"config {name}: no trainable head for architectures {architectures}")
 
 
-def _kind(model: nn.Module) -> str:
-    arch = type(model).__name__
-    if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
-        return "causal-lm"
-    if arch.endswith("ForConditionalGeneration") and getattr(
-        model.config, "is_encoder_decoder", False
-    ):
-        return "seq2seq"
-    if arch.endswith("ForMaskedLM"):
-        return "masked-lm"
-    if arch.endswith("ForImageClassification"):
-        return "image-classification"
-    if arch.endswith("ForSequenceClassification"):
-        return "sequence-classification"
-    raise UserError(f"hf model architecture {arch} is not supported yet")
-
-
-def _max_positions(config) -> int | None:
-    for key in _POSITION_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int):
-            return value - (2 if config.model_type == "roberta" else 0)
-    return None
-
-
-def _seq_len(config, recipe: Recipe, label: str) -> int:
-    limit = _max_positions(config)
-    seq_len = recipe.seq_len
-    if seq_len is None and recipe.input_shape:
-        if len(recipe.input_shape) != 1:
-            raise UserError(
-                f"text models take --seq-len (or --input-shape S), got {recipe.input_shape}"
-            )
-        seq_len = recipe.input_shape[0]
-    if seq_len is None:
-        seq_len = min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)
-    if limit is not None and config.model_type in _ABSOLUTE_POSITIONS and seq_len > limit:
-        raise UserError(f"{label} has {limit} learned positions; --seq-len {seq_len} is longer")
-    return seq_len
-
-
 def checkpoint_layers(model: nn.Module) -> list[nn.Module]:
     """The layers transformers can recompute, in forward order."""
     try:
@@ -143,6 +119,10 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     label, data = load_config_dict(name)
     config = _make_config(transformers, label, data)
     model_class = _model_class(transformers, config, label)
+    if recipe.num_classes is not None:
+        if not model_class.__name__.endswith(_CLASSIFIERS):
+            raise UserError(f"--num-classes: {model_class.__name__} has no classification head")
+        config.num_labels = recipe.num_classes
     attention = recipe.attention or data.get("attn_implementation", "sdpa")
     check_attention(attention, model_class, recipe, f"hf:{label}")
     if attention in REGISTERED:
@@ -159,38 +139,17 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     except Exception as exc:  # a config transformers accepts but cannot build
         reason = " ".join(str(exc).split())
         raise UserError(f"cannot build {model_class.__name__} from {label}: {reason}") from None
-    kind = _kind(model)
-    vocab = getattr(config, "vocab_size", None)
+    kind = model_kind(model)
     built_name = f"hf:{label}"
-
-    if kind == "image-classification":
-        size = getattr(config, "image_size", DEFAULT_IMAGE_SIZE)
-        shape = recipe.input_shape or (getattr(config, "num_channels", 3), size, size)
-        classes = config.num_labels
-
-        def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
-            return {
-                "pixel_values": torch.randn(batch_size, *shape, dtype=dtype),
-                "labels": torch.randint(0, classes, (batch_size,)),
-            }
-    else:
-        seq_len = _seq_len(config, recipe, built_name)
-        shape = (seq_len,)
-
-        def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
-            ids = torch.randint(0, vocab, (batch_size, seq_len))
-            batch = {"input_ids": ids}
-            if kind == "sequence-classification":
-                batch["labels"] = torch.randint(0, config.num_labels, (batch_size,))
-            else:
-                batch["labels"] = ids
-            return batch
+    inputs = example_inputs(model, kind, recipe, built_name)
 
     def run(module: nn.Module, batch: Batch, training: bool):
-        if training:
-            return module(**batch).loss
-        inputs = {k: v for k, v in batch.items() if k != "labels" or kind == "seq2seq"}
-        return module(**inputs)
+        checks = contextlib.nullcontext() if inputs.value_checks else value_checks_off()
+        with checks:
+            if training:
+                return module(**batch, **inputs.loss_kwargs).loss
+            keep_labels = kind in ENCODER_DECODER  # the decoder reads them
+            return module(**{k: v for k, v in batch.items() if k != "labels" or keep_labels})
 
     def enable_checkpointing(module: nn.Module, limit: int | None) -> int:
         non_reentrant = {"use_reentrant": False}
@@ -209,19 +168,19 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
         architecture=type(model).__name__,
         kind=kind,
         model=model,
-        make_batch=make_batch,
+        make_batch=inputs.make_batch,
         run=run,
-        default_input_shape=shape,
+        default_input_shape=inputs.shape,
         enable_checkpointing=enable_checkpointing
         if model.supports_gradient_checkpointing
         else None,
         blocks=len(checkpoint_layers(model)) if model.supports_gradient_checkpointing else 0,
-        sequence=kind != "image-classification",
-        notes=_notes(config, recipe, kind, shape),
+        sequence=inputs.sequence,
+        notes=inputs.notes + _notes(config, recipe, inputs.shape),
     )
 
 
-def _notes(config, recipe: Recipe, kind: str, shape: tuple[int, ...]) -> list[str]:
+def _notes(config, recipe: Recipe, shape: tuple[int, ...]) -> list[str]:
     """What the build chose that the reader should know: attention, expert routing."""
     notes = [NOTES[recipe.attention]] if recipe.attention else []
     if is_moe(config):
