@@ -123,11 +123,13 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
         if not model_class.__name__.endswith(_CLASSIFIERS):
             raise UserError(f"--num-classes: {model_class.__name__} has no classification head")
         config.num_labels = recipe.num_classes
-    attention = recipe.attention or data.get("attn_implementation", "sdpa")
-    check_attention(attention, model_class, recipe, f"hf:{label}")
+    # None: transformers' own default (sdpa where the model supports it, else eager)
+    attention = recipe.attention or data.get("attn_implementation")
+    if attention is not None:
+        check_attention(attention, model_class, recipe, f"hf:{label}")
     if attention in REGISTERED:
         register_attention(transformers)
-    implementations = {"attn_implementation": attention_name(attention)}
+    implementations = {"attn_implementation": attention and attention_name(attention)}
     if recipe.experts is not None:
         if not is_moe(config):
             raise UserError(f"--experts {recipe.experts}: hf:{label} has no mixture of experts")
