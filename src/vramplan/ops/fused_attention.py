@@ -92,7 +92,8 @@ def _forward_fake(q, k, v, kernel, dropout_p, scale, causal, window):
 
 
 @torch.library.custom_op(
-    "vramplan::fused_attention_backward", mutates_args=("dq", "dk_full", "dv_full")
+    "vramplan::fused_attention_backward",
+    mutates_args=("dq", "dk_full", "dv_full", "row_terms", "accumulator"),
 )
 def _backward_kernel(
     dout: Tensor,
@@ -102,6 +103,8 @@ def _backward_kernel(
     dq: Tensor,
     dk_full: Tensor,
     dv_full: Tensor,
+    row_terms: Tensor,
+    accumulator: Tensor,
     kernel: str,
     scale: float,
     causal: bool,
@@ -112,13 +115,16 @@ def _backward_kernel(
     dv_full.copy_(torch.einsum("bhqk,bqhd->bkhd", probs, grad))
     dprobs = torch.einsum("bqhd,bkhd->bhqk", grad, v_full)
     row = torch.einsum("bqhd,bqhd->bhq", grad, out).unsqueeze(-1)
+    row_terms[..., : q.size(1)].copy_(row.squeeze(-1))  # softmax_d / delta: rowsum(dO * O)
     dscores = probs * (dprobs - row) * scale
     dq.copy_(torch.einsum("bhqk,bkhd->bqhd", dscores, k_full))
     dk_full.copy_(torch.einsum("bhqk,bqhd->bkhd", dscores, q.float()))
 
 
 @_backward_kernel.register_fake
-def _backward_kernel_fake(dout, q, k, v, dq, dk_full, dv_full, kernel, scale, causal, window):
+def _backward_kernel_fake(
+    dout, q, k, v, dq, dk_full, dv_full, row_terms, accumulator, kernel, scale, causal, window
+):
     return None
 
 
@@ -137,25 +143,24 @@ def _backward(ctx, dout, _dlse, _drng):
     batch, length, heads, width = q.shape
     kv_len, kv_heads = k.size(1), k.size(2)
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if kernel == "flash2":
-        softmax_d = q.new_empty((batch, heads, _round(length, 128)), dtype=torch.float32)
+    if kernel == "flash2":  # softmax_d and dq_accum (mha_bwd)
+        row_terms = q.new_empty((batch, heads, _round(length, 128)), dtype=torch.float32)
         head_rounded = _round(width, 32) if width <= 192 else 256
-        dq_accum = q.new_empty(
+        accumulator = q.new_empty(
             (batch, _round(length, 128), heads, head_rounded), dtype=torch.float32
         )
-    else:
-        delta = q.new_empty((batch, heads, length), dtype=torch.float32)
+    else:  # delta; no accumulator
+        row_terms = q.new_empty((batch, heads, length), dtype=torch.float32)
+        accumulator = q.new_empty((0,), dtype=torch.float32)
     grouped = kv_heads != heads
-    if grouped:
+    if grouped:  # dk, dv for every query head, summed per group below
         dk_full = k.new_empty((batch, kv_len, heads, width))
         dv_full = v.new_empty((batch, kv_len, heads, v.size(-1)))
     else:
         dk_full, dv_full = dk, dv
-    _backward_kernel(dout, q, k, v, dq, dk_full, dv_full, kernel, scale, causal, window)
-    if kernel == "flash2":
-        del softmax_d, dq_accum
-    else:
-        del delta
+    _backward_kernel(
+        dout, q, k, v, dq, dk_full, dv_full, row_terms, accumulator, kernel, scale, causal, window
+    )
     if grouped:
         groups = heads // kv_heads
         torch.sum(dk_full.reshape(batch, kv_len, kv_heads, groups, width), 3, out=dk)
