@@ -82,7 +82,12 @@ def _saved_by_attention(model: str, attention: str, seq_len: int):
         and (a.free_index is None or a.free_index > backward)
     ]
     fused = sorted({a.nbytes for a in kept if a.op == "fused_attention_forward"})
-    return sum(a.nbytes for a in kept), fused
+    scratch = {
+        a.nbytes
+        for a in trace.allocations
+        if a.iteration == last and a.phase == Phase.BACKWARD and a.op == "new_empty"
+    }
+    return sum(a.nbytes for a in kept), fused, scratch
 
 
 def test_flash_keeps_linear_state_where_eager_keeps_quadratic(llama):
@@ -97,8 +102,12 @@ def test_flash_keeps_linear_state_where_eager_keeps_quadratic(llama):
     assert second(eager) == 6 * (LAYERS * HEADS * 6) * lengths[0] ** 2
     # flash_api.cpp mha_fwd: out (B, S, H, D) bf16, softmax_lse (B, H, S) fp32, rng 2 x int64
     head_dim = HIDDEN // HEADS
-    for seq_len, (_, fused) in zip(lengths, flash, strict=True):
+    for seq_len, (_, fused, scratch) in zip(lengths, flash, strict=True):
         assert fused == sorted({16, HEADS * seq_len * 4, seq_len * HEADS * head_dim * 2})
+        # mha_bwd: softmax_d (B, H, S rounded to 128) fp32, dq_accum (B, S rounded to 128,
+        # H, head_dim rounded to 32) fp32, dk/dv for every query head (grouped-query)
+        rows = -(-seq_len // 128) * 128
+        assert {HEADS * rows * 4, rows * HEADS * 32 * 4, seq_len * HEADS * head_dim * 2} <= scratch
 
 
 def test_flash_refusals(llama, tmp_path):
