@@ -86,3 +86,10 @@ def tiny_cnn(tmp_path):
         "        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(32, 10))\n"
     )
     return f"{path}:make"
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch) -> None:
+    """No test reaches the Hugging Face Hub: hub ids resolve from the cache or the catalog
+    (tests of the download path mock huggingface_hub's download function)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")

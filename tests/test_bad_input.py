@@ -302,6 +302,8 @@ FLAGS = [
     ("seq-too-long", ["--seq-len", "100000"], "64 learned positions"),
     ("precision", ["--precision", "fp8"], "unknown precision"),
     ("optimizer", ["--optimizer", "adamm"], "unknown optimizer"),
+    ("optimizer-impl", ["--optimizer-impl", "vectorised"], "unknown optimizer implementation"),
+    ("fused-lion", ["--optimizer", "lion", "--optimizer-impl", "fused"], "torch.optim"),
     ("checkpointing-negative", ["--checkpointing", "-1"], "checkpointing"),
     ("checkpointing-word", ["--checkpointing", "half"], "checkpointing"),
     ("checkpointing-beyond", ["--checkpointing", "1000"], "has 2 repeated blocks"),
@@ -529,6 +531,10 @@ case("gpus-units", ["gpus", "--units", "weird"], "unknown units")
 case("gpus-argument", ["gpus", "extra"], "unexpected extra argument")
 case("models-source", ["models", "nope"], "unknown source")
 case("models-flag", ["models", "hf", "--all"], "No such option")
+case("models-search-source", ["models", "bogus", "--search", "llama"], "unknown source")
+case("trust-remote-code-value", ["estimate", T, "--trust-remote-code=1"], "does not take a value")
+case("hf-hub-id-unknown", ["llm", "hf:acme/no-such-model"], "unknown hf model 'acme/no-such-model'")
+case("hf-hub-id-revision", ["llm", "meta-llama/Llama-3.2-3B@nope"], "not in the Hugging Face cache")
 case("calibrate-no-gpu", ["calibrate"], "needs a CUDA GPU")
 case("calibrate-output", ["calibrate", "--output", "{d}/profiles"], "needs a CUDA GPU")
 case("unknown-command", ["estimat", T], "No such command")

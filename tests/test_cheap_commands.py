@@ -22,6 +22,8 @@ CHEAP = [
     ["gpus"],
     ["gpus", "--json"],
     ["models", "hf"],
+    ["models", "hf", "--search", "llama 3.2"],
+    ["llm", "meta-llama/Llama-3.2-3B", "--json"],
     ["--help"],
     ["estimate", "--help"],
     ["max-batch", "--help"],

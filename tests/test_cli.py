@@ -143,7 +143,7 @@ def test_models_lists_bundled_configs(run_cli):
     code, out, _ = run_cli("models", "hf")
     assert code == 0
     listed = out.split()
-    assert "hf:gpt2" in listed and "hf:meta-llama-3-8b" in listed
+    assert "hf:openai-community/gpt2" in listed and "hf:meta-llama/Meta-Llama-3-8B" in listed
     code, _, err = run_cli("models", "bogus")
     assert code == 2 and "unknown source" in err
 

@@ -69,6 +69,7 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
         optimizer=row["optimizer"],
         checkpointing=row["checkpointing"],
         grad_accum=int(row["grad_accum"]),
+        optimizer_impl=row.get("optimizer_impl") or "auto",
         attention=row.get("attention") or None,
     )
     counter = row.get("used_counter") or "nvml-v1"

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from vramplan.measurement.compare import Comparison
     from vramplan.planner.answer import PlanAnswer
     from vramplan.planner.search import SearchResult
-    from vramplan.quick import calc, gpus, layers, llm, models
+    from vramplan.quick import ModelMatch, calc, find_models, gpus, layers, llm, models
     from vramplan.session import Session
 
 # Where each public name lives. Importing the package imports none of them: torch (and the
@@ -59,6 +59,8 @@ _LAZY = {
     "llm": "vramplan.quick",
     "gpus": "vramplan.quick",
     "models": "vramplan.quick",
+    "find_models": "vramplan.quick",
+    "ModelMatch": "vramplan.quick",
     "ParallelLayout": "vramplan.distributed.layout",
     "SearchResult": "vramplan.planner.search",
     "PlanAnswer": "vramplan.planner.answer",
@@ -93,6 +95,8 @@ __all__ = [
     "llm",
     "gpus",
     "models",
+    "find_models",
+    "ModelMatch",
     "calibrate",
     "parallel_layout",
     "Recipe",

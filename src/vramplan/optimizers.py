@@ -12,6 +12,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from vramplan.recipe import TORCH_OPTIMIZERS
+
 # Hyper-parameters only change which temporaries a step makes, not the state it keeps;
 # these are the common training defaults (weight decay on, as most recipes use).
 _LR = 1e-3
@@ -132,14 +134,56 @@ MODELLED = {
 }
 
 
+def implementation_flags(impl: str, defaults: dict) -> dict:
+    """The ``torch.optim`` keyword arguments for an implementation choice: ``auto`` keeps
+    the device policy's ``defaults`` (what PyTorch picks by itself there).
+
+    >>> implementation_flags("auto", {"foreach": True})
+    {'foreach': True}
+    >>> implementation_flags("for-loop", {"foreach": True})
+    {'foreach': False}
+    >>> implementation_flags("fused", {})
+    {'fused': True}
+    """
+    if impl == "auto":
+        return {k: v for k, v in defaults.items() if k == "foreach"}
+    if impl == "fused":
+        return {"fused": True}
+    return {"foreach": impl == "foreach"}
+
+
+def implementation_note(name: str, impl: str, defaults: dict) -> str | None:
+    """What the estimate should say about how a ``torch.optim`` step ran.
+
+    >>> implementation_note("adamw", "auto", {"foreach": True})[:37]
+    'optimizer step: foreach (PyTorch 2.0+'
+    >>> implementation_note("lion", "auto", {"foreach": True}) is None
+    True
+    """
+    if name not in TORCH_OPTIMIZERS:
+        return None
+    flags = implementation_flags(impl, defaults)
+    if flags.get("fused"):
+        return "optimizer step: fused kernels (--optimizer-impl fused), no per-tensor temporaries"
+    if flags.get("foreach"):
+        how = "PyTorch 2.0+'s default on CUDA" if impl == "auto" else "--optimizer-impl foreach"
+        return (
+            f"optimizer step: foreach ({how}): temporaries for every parameter at once; "
+            "--optimizer-impl fused or for-loop keeps them smaller"
+        )
+    how = "PyTorch < 2.0's default" if impl == "auto" else "--optimizer-impl for-loop"
+    return f"optimizer step: one parameter at a time ({how}), temporaries of one tensor"
+
+
 def build_optimizer(
-    name: str, params: list[nn.Parameter], defaults: dict
+    name: str, params: list[nn.Parameter], defaults: dict, impl: str = "auto"
 ) -> torch.optim.Optimizer | None:
-    """The optimizer for ``name`` over ``params``; ``defaults`` carries device policy flags."""
+    """The optimizer for ``name`` over ``params``; ``defaults`` carries device policy flags
+    and ``impl`` the user's implementation choice (``Recipe.optimizer_impl``)."""
     params = [p for p in params if p.requires_grad]
     if name == "none" or not params:
         return None
-    foreach = {k: v for k, v in defaults.items() if k == "foreach"}
+    foreach = implementation_flags(impl, defaults)
     if name == "sgd":
         return torch.optim.SGD(params, lr=_LR, **foreach)
     if name == "momentum":
@@ -151,7 +195,7 @@ def build_optimizer(
     if name == "adagrad":
         return torch.optim.Adagrad(params, lr=_LR, **foreach)
     if name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=_LR, **foreach)
+        return torch.optim.RMSprop(params, lr=_LR, **foreach)  # no fused RMSprop
     if name == "adafactor":
         return AdafactorModel(params)
     if name == "lion":

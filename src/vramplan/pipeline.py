@@ -19,7 +19,7 @@ from torch import nn
 
 from vramplan.device.options import DeviceOptions
 from vramplan.device.replay import apply_device
-from vramplan.optimizers import MODELLED
+from vramplan.optimizers import MODELLED, implementation_note
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Estimate, ModelInfo
 from vramplan.sources import BuiltModel
@@ -71,12 +71,15 @@ def trace_and_estimate(
 ) -> tuple[Estimate, Trace]:
     """``estimate_built`` that also returns the trace (to judge it on other cards)."""
     device = device or DeviceOptions()
-    policy = policy or policy_for(target, device.card.arch)
+    policy = policy or policy_for(target, device.card.arch, device.software.foreach_default)
     check_attention_target(recipe.attention, policy.name, device.card.arch)
     trace = traced(built, recipe, policy, engine)
     notes = list(trace.notes)
     if recipe.is_training and recipe.optimizer in MODELLED:
         notes.append(f"optimizer {recipe.optimizer}: {MODELLED[recipe.optimizer]}")
+    how = implementation_note(recipe.optimizer, recipe.optimizer_impl, policy.optimizer_defaults())
+    if recipe.is_training and policy.name == "cuda" and how:
+        notes.append(how)
     info = model_info(built.model, built.name, built.architecture, built.kind)
     result = estimate_from_trace(trace, info, recipe, policy.name, notes)
     if policy.name == "cuda":
@@ -111,7 +114,7 @@ def estimate_user_step(
 ) -> Estimate:
     """The user's own ``step_fn`` traced ``iterations`` times on a meta copy of their
     model, then (for ``cuda``) replayed through the device model."""
-    policy = policy_for(target, device.card.arch)
+    policy = policy_for(target, device.card.arch, device.software.foreach_default)
     trace = trace_step_function(
         step_fn, meta_model, batch, optimizer, policy, recipe, iterations, label
     )

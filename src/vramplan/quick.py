@@ -10,6 +10,7 @@ in a fraction of a second::
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 from vramplan.analytic.calc import METHODS, calculate
@@ -19,7 +20,8 @@ from vramplan.device.catalog import GpuSpec, catalog
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe, parse_shape
 from vramplan.result import Estimate
-from vramplan.sources import model_names
+from vramplan.sources import PREFIXES, model_names, with_source
+from vramplan.sources.catalog import search as search_catalog
 from vramplan.sources.configs import load_config_dict, validate_config
 from vramplan.units import parse_count
 
@@ -91,9 +93,11 @@ def llm(
         )
     if qlora and lora_rank == 0:
         raise UserError("--qlora needs --lora-rank R (a positive rank)")
-    prefix, _, name = model.partition(":")
+    prefix, _, name = with_source(model).partition(":")
     if prefix != "hf" or not name:
-        raise UserError(f"llm takes hf:NAME or hf:path/config.json, got {model!r}")
+        raise UserError(
+            f"llm takes hf:NAME, a hub id ORG/NAME or hf:path/config.json, got {model!r}"
+        )
     label, config = load_config_dict(name)
     validate_config(label, config)
     default_precision = precision is None
@@ -130,3 +134,44 @@ def gpus() -> tuple[GpuSpec, ...]:
 def models(source: str = "hf") -> list[str]:
     """The model names a source (``hf``, ``torchvision``, ``timm``) accepts."""
     return model_names(source)
+
+
+@dataclass(frozen=True)
+class ModelMatch:
+    """A model a source accepts, as ``vramplan models --search`` shows it."""
+
+    name: str
+    """What to pass as the model: ``hf:ORG/NAME``, ``timm:NAME``, ``torchvision:NAME``."""
+    family: str = ""
+    licence: str = ""
+    params: int | None = None
+    """The published parameter count (bundled Hugging Face configs only)."""
+    params_exact: bool = True
+    """False where the published count is a rounded figure (``1.7B``)."""
+
+
+def find_models(text: str = "", source: str | None = None) -> list[ModelMatch]:
+    """The models of ``source`` (every source when None) whose names hold every word of
+    ``text``; for ``hf`` the bundled catalog, searched by hub id, alias and family::
+
+        >>> [m.name for m in find_models("llama 3.2 3b instruct", "hf")]
+        ['hf:meta-llama/Llama-3.2-3B-Instruct']
+    """
+    if source not in (None, *PREFIXES):
+        raise UserError(f"unknown source {source!r}; choose one of: hf, torchvision, timm")
+    found = [
+        ModelMatch(f"hf:{e.hub_id}", e.family, e.licence, e.params, e.params_exact)
+        for e in (search_catalog(text) if source in (None, "hf") else ())
+    ]
+    words = text.lower().split()
+    for library in ("torchvision", "timm"):
+        if source not in (None, library):
+            continue
+        try:
+            names = model_names(library)
+        except UserError:  # the library is not installed: say so only when it was asked for
+            if source == library:
+                raise
+            continue
+        found += [ModelMatch(f"{library}:{n}") for n in names if all(w in n.lower() for w in words)]
+    return found

@@ -30,6 +30,11 @@ OPTIMIZERS = (
     "none",
 )
 CHECKPOINTING = ("none", "full")
+OPTIMIZER_IMPLS = ("auto", "foreach", "for-loop", "fused")
+"""How ``torch.optim`` runs the step: ``auto`` as the emulated PyTorch does by default
+(foreach on CUDA since 2.0, a per-parameter loop before), or the one the user forces."""
+TORCH_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad", "rmsprop")
+FUSED_OPTIMIZERS = ("sgd", "momentum", "adam", "adamw", "adagrad")
 MODES = ("train", "infer")
 
 Precision = Literal["fp32", "fp16", "bf16", "amp-fp16", "amp-bf16"]
@@ -69,6 +74,7 @@ class Recipe:
     checkpointing: str = "none"
     grad_accum: int = 1
     mode: Mode = "train"
+    optimizer_impl: str = "auto"
     extras: dict[str, Any] = field(default_factory=dict)
     # Fine-tuning (sources/finetune.py): LoRA through peft, bitsandbytes layouts, freezing.
     lora_rank: int = 0
@@ -119,6 +125,7 @@ class Recipe:
                     "--mode infer has no backward"
                 )
             object.__setattr__(self, "optimizer", "none")
+        _check_optimizer_impl(self)
         _check_finetune(self)
         _check_model_inputs(self)
 
@@ -161,6 +168,8 @@ class Recipe:
         data["input_shape"] = list(self.input_shape) if self.input_shape else None
         if not data["extras"]:
             data.pop("extras")
+        if data["optimizer_impl"] == "auto":
+            data.pop("optimizer_impl")
         for name, default in FINETUNE_DEFAULTS.items():  # absent unless asked for
             if data[name] == default:
                 data.pop(name)
@@ -189,6 +198,23 @@ def parse_shape(text: str) -> tuple[int, ...]:
     if not shape or any(d <= 0 for d in shape):
         raise UserError(f"cannot read shape {text!r}: every size must be a positive integer")
     return shape
+
+
+def _check_optimizer_impl(recipe: Recipe) -> None:
+    """``--optimizer-impl`` names a way ``torch.optim`` itself runs; fused needs a kernel."""
+    impl = _choice(recipe.optimizer_impl, OPTIMIZER_IMPLS, "optimizer implementation")
+    object.__setattr__(recipe, "optimizer_impl", impl)
+    if impl == "auto" or recipe.optimizer == "none":
+        return
+    if recipe.optimizer not in TORCH_OPTIMIZERS:
+        raise UserError(
+            f"--optimizer-impl {impl} applies to torch.optim optimizers "
+            f"({', '.join(TORCH_OPTIMIZERS)}), not {recipe.optimizer}"
+        )
+    if impl == "fused" and recipe.optimizer not in FUSED_OPTIMIZERS:
+        raise UserError(
+            f"PyTorch has no fused {recipe.optimizer}; fused runs {', '.join(FUSED_OPTIMIZERS)}"
+        )
 
 
 QUANTIZE = ("none", "nf4", "fp4", "int8")

@@ -39,7 +39,7 @@ from vramplan.planner.host import HostOptions
 from vramplan.planner.search import SearchResult, largest_fitting
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
-from vramplan.sources import BuiltModel, resolve
+from vramplan.sources import BuiltModel, resolve, with_source
 from vramplan.sources.user_code import leading_dim, module_source
 from vramplan.units import parse_bytes
 
@@ -76,6 +76,8 @@ class Session:
         (``alloc_conf``), cuDNN benchmark mode, and a measured device ``profile``.
 
         ``target="cpu"`` traces what the CPU itself does instead of emulating a CUDA GPU.
+        ``trust_remote_code=True`` lets a Hugging Face model run the modeling code its
+        repository ships (``auto_map``); off by default.
     from vramplan.limits import DEFAULT_TIMEOUT, check_timeout, time_limit, user_code_timeout
         ``progress(event)`` is called as each trace starts and ends (a ``TraceEvent``: label,
         index, seconds once done); ``Session.log`` keeps every trace's label and seconds.
@@ -100,13 +102,15 @@ class Session:
         full_trace: bool = False,
         progress: Callable[[TraceEvent], None] | None = None,
         timeout: float | None = DEFAULT_TIMEOUT,
+        trust_remote_code: bool = False,
     ) -> None:
         if target not in TARGETS:
             raise UserError(f"unknown target {target!r}; choose cuda or cpu")
         if framework not in FRAMEWORKS:
             raise UserError(f"unknown framework {framework!r}; choose pytorch or tensorflow")
-        self.model = model
-        self.name = model if isinstance(model, str) else type(model).__name__
+        self.model = with_source(model) if isinstance(model, str) else model
+        self.trust_remote_code = trust_remote_code
+        self.name = self.model if isinstance(self.model, str) else type(model).__name__
         self.target = target
         self.framework = framework
         self.device = device_options(
@@ -268,7 +272,7 @@ class Session:
         if isinstance(self.model, nn.Module):
             built = module_source(self.model, recipe, self.name, self._example_batch, self._loss_fn)
         else:
-            built = resolve(self.model, recipe, device)
+            built = resolve(self.model, recipe, device, self.trust_remote_code)
         built.repeat_blocks = not self.full_trace
         if recipe.seq_len is not None and not built.sequence:
             shape = "x".join(map(str, built.default_input_shape)) or "a fixed shape"

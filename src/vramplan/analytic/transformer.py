@@ -24,7 +24,53 @@ from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Estimate, ModelInfo, Peak, Phase, empty_components
 
-DECODERS = {"llama", "mistral", "qwen2", "qwen3", "gpt2", "gemma", "phi3", "mixtral"}
+DECODERS = {
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gpt2",
+    "gemma",
+    "phi3",
+    "mixtral",
+    # parameter counts checked against the published ones (benchmarks/catalog_check.py)
+    "gemma2",
+    "gemma3_text",
+    "phi",
+    "opt",
+    "qwen2_moe",
+    "qwen3_moe",
+    "deepseek_v2",
+    "deepseek_v3",
+}
+
+
+@dataclass(frozen=True)
+class LatentAttention:
+    """DeepSeek's multi-head latent attention: keys and values (and, with ``q_rank``,
+    queries) pass through a low-rank latent, each head's query and key split into a part
+    without positions (``nope_dim``) and a rotary part (``rope_dim``)::
+
+        >>> LatentAttention(kv_rank=512, q_rank=0, nope_dim=128, rope_dim=64,
+        ...                 value_dim=128).parameters(hidden=2048, heads=16)
+        13763072
+    """
+
+    kv_rank: int
+    q_rank: int
+    nope_dim: int
+    rope_dim: int
+    value_dim: int
+
+    def parameters(self, hidden: int, heads: int) -> int:
+        qk = heads * (self.nope_dim + self.rope_dim)
+        if self.q_rank:  # down-projection, its norm, up-projection
+            query = hidden * self.q_rank + self.q_rank + self.q_rank * qk
+        else:
+            query = hidden * qk
+        kv_up = self.kv_rank * heads * (self.nope_dim + self.value_dim)
+        key_value = hidden * (self.kv_rank + self.rope_dim) + self.kv_rank + kv_up
+        return query + key_value + heads * self.value_dim * hidden
 
 
 @dataclass(frozen=True)
@@ -40,38 +86,70 @@ class TransformerShape:
     gated_mlp: bool = True
     tied_embeddings: bool = False
     positions: int = 0
-    """Learned position embeddings (GPT-2); 0 for rotary models."""
+    """Learned position embeddings (GPT-2, OPT); 0 for rotary models."""
     qkv_bias: bool = False
     biases: bool = False
     experts: int = 1
     experts_per_token: int = 1
     dropout: bool = False
+    head_size: int = 0
+    """Each head's width where the config sets it (``head_dim``); 0: hidden // heads."""
+    qk_norm: bool = False
+    """A norm over each head's queries and keys (Qwen3, Gemma 3)."""
+    norms_per_layer: int = 2
+    final_norm: bool = True
+    head_bias: bool = False
+    embed_width: int = 0
+    """Token embeddings narrower than the layers (OPT-350m), projected in and out; 0: hidden."""
+    expert_intermediate: int = 0
+    """Each expert's MLP width where it differs from ``intermediate`` (the dense layers')."""
+    shared_intermediate: int = 0
+    """The MLP width of the experts every token goes through (DeepSeek, Qwen-MoE)."""
+    shared_gate: bool = False
+    dense_layers: int = 0
+    """The first layers with a dense MLP instead of experts (DeepSeek)."""
+    latent: LatentAttention | None = None
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_size or self.hidden // self.heads
 
-    def layer_parameters(self) -> int:
+    def attention_parameters(self) -> int:
         h, d = self.hidden, self.head_dim
-        kv = self.kv_heads * d
-        attention = h * h + 2 * h * kv + h * h
+        if self.latent is not None:
+            return self.latent.parameters(h, self.heads)
+        q, kv = self.heads * d, self.kv_heads * d
+        attention = 2 * h * q + 2 * h * kv
         if self.qkv_bias or self.biases:
-            attention += h + 2 * kv
+            attention += q + 2 * kv
         if self.biases:
             attention += h
-        mlp_matrices = 3 if self.gated_mlp else 2
-        mlp = mlp_matrices * h * self.intermediate
-        if self.biases:
-            mlp += self.intermediate + h
-        norms = (4 if self.biases else 2) * h
-        router = h * self.experts if self.experts > 1 else 0
-        return attention + self.experts * mlp + norms + router
+        return attention + (2 * d if self.qk_norm else 0)
+
+    def mlp_parameters(self, width: int) -> int:
+        mlp = (3 if self.gated_mlp else 2) * self.hidden * width
+        return mlp + (width + self.hidden if self.biases else 0)
+
+    def layer_parameters(self, dense: bool = False) -> int:
+        """One layer's parameters: with experts where the model has them, or (``dense``)
+        one of the first layers DeepSeek keeps dense."""
+        norms = self.norms_per_layer * self.hidden * (2 if self.biases else 1)
+        if dense or self.experts == 1:
+            return self.attention_parameters() + self.mlp_parameters(self.intermediate) + norms
+        experts = self.experts * self.mlp_parameters(self.expert_intermediate or self.intermediate)
+        shared = self.mlp_parameters(self.shared_intermediate) if self.shared_intermediate else 0
+        router = self.hidden * (self.experts + self.shared_gate)
+        return self.attention_parameters() + experts + shared + router + norms
 
     def parameters(self) -> int:
-        embeddings = self.vocab * self.hidden + self.positions * self.hidden
-        head = 0 if self.tied_embeddings else self.vocab * self.hidden
-        final_norm = (2 if self.biases else 1) * self.hidden
-        return embeddings + self.layers * self.layer_parameters() + final_norm + head
+        width = self.embed_width or self.hidden
+        embeddings = self.vocab * width + self.positions * self.hidden
+        projections = 2 * width * self.hidden if width != self.hidden else 0
+        head = 0 if self.tied_embeddings else self.vocab * width + self.head_bias * self.vocab
+        final_norm = self.final_norm * (2 if self.biases else 1) * self.hidden
+        layers = self.dense_layers * self.layer_parameters(dense=True)
+        layers += (self.layers - self.dense_layers) * self.layer_parameters()
+        return embeddings + projections + layers + final_norm + head
 
 
 def shape_from_config(config: dict) -> TransformerShape:
@@ -109,18 +187,71 @@ def _shape_from_config(config: dict) -> TransformerShape:
             biases=True,
             dropout=True,
         )
+    if kind == "opt":
+        return _opt_shape(config)
     heads = config["num_attention_heads"]
-    return TransformerShape(
+    shape = TransformerShape(
         layers=config["num_hidden_layers"],
         hidden=config["hidden_size"],
         heads=heads,
         kv_heads=config.get("num_key_value_heads") or heads,
         intermediate=config["intermediate_size"],
         vocab=config["vocab_size"],
-        tied_embeddings=config.get("tie_word_embeddings", False),
+        tied_embeddings=config.get("tie_word_embeddings", kind.startswith("gemma")),
         qkv_bias=kind.startswith("qwen2") or config.get("attention_bias", False),
-        experts=config.get("num_local_experts") or 1,
+        experts=config.get("num_local_experts") or config.get("num_experts") or 1,
         experts_per_token=config.get("num_experts_per_tok") or 1,
+        head_size=config.get("head_dim") or 0,
+        qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
+        norms_per_layer=4 if kind in ("gemma2", "gemma3_text") else 2,
+        expert_intermediate=config.get("moe_intermediate_size") or 0,
+        shared_intermediate=config.get("shared_expert_intermediate_size") or 0,
+        shared_gate=kind == "qwen2_moe",
+    )
+    if kind == "phi":  # biases everywhere, one norm before attention and MLP side by side
+        return replace(
+            shape,
+            gated_mlp=False,
+            biases=True,
+            norms_per_layer=1,
+            head_bias=True,
+            dropout=bool(config.get("resid_pdrop")),
+        )
+    if kind.startswith("deepseek"):
+        return replace(
+            shape,
+            experts=config["n_routed_experts"],
+            shared_intermediate=config["moe_intermediate_size"] * config["n_shared_experts"],
+            dense_layers=config.get("first_k_dense_replace") or 0,
+            latent=LatentAttention(
+                kv_rank=config["kv_lora_rank"],
+                q_rank=config.get("q_lora_rank") or 0,
+                nope_dim=config["qk_nope_head_dim"],
+                rope_dim=config["qk_rope_head_dim"],
+                value_dim=config["v_head_dim"],
+            ),
+        )
+    return shape
+
+
+def _opt_shape(config: dict) -> TransformerShape:
+    """OPT: learned positions (two more than the longest sequence), biases, and in
+    OPT-350m embeddings narrower than the layers and no final norm."""
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    return TransformerShape(
+        layers=config["num_hidden_layers"],
+        hidden=hidden,
+        heads=heads,
+        kv_heads=heads,
+        intermediate=config["ffn_dim"],
+        vocab=config["vocab_size"],
+        gated_mlp=False,
+        tied_embeddings=config.get("tie_word_embeddings", True),
+        positions=config["max_position_embeddings"] + 2,
+        biases=config.get("enable_bias", True),
+        dropout=bool(config.get("dropout")),
+        embed_width=config.get("word_embed_proj_dim") or hidden,
+        final_norm=config.get("do_layer_norm_before", True),
     )
 
 
@@ -153,7 +284,9 @@ def layer_activation_bytes(
     # input (2), output dropout mask -> 11 sbh with the QKV input, for multi-head attention
     attention = (2 + 4 * kv + 2) * unit + mask
     scores = 4 * a * s * b if flash else (2 + (3 if shape.dropout else 0)) * a * s * s * b * act / 2
-    inter = shape.intermediate / h * shape.experts_per_token
+    routed = (shape.expert_intermediate or shape.intermediate) * shape.experts_per_token
+    inter = (routed if shape.experts > 1 else shape.intermediate) / h
+    inter += shape.shared_intermediate / h
     # gated (SwiGLU): gate and up outputs and the activation's output; else the GELU input
     # and output: 8 + 8 sbh for a 4h MLP, plus its dropout mask
     mlp = (6 if shape.gated_mlp else 4) * inter * unit + mask

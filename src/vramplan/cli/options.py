@@ -51,6 +51,14 @@ OptimizerOpt = Annotated[
         "| none.",
     ),
 ]
+OptimizerImplOpt = Annotated[
+    str,
+    typer.Option(
+        "--optimizer-impl",
+        help="auto | foreach | for-loop | fused: how torch.optim runs the step (auto: the "
+        "emulated PyTorch's default, foreach on CUDA since 2.0).",
+    ),
+]
 CheckpointingOpt = Annotated[
     str,
     typer.Option(
@@ -64,6 +72,14 @@ TargetOpt = Annotated[
     str,
     typer.Option(
         "--target", help="cuda (emulate an NVIDIA GPU, default) | cpu (what the CPU itself does)."
+    ),
+]
+TrustRemoteCodeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--trust-remote-code",
+        help="Let a Hugging Face model run the modeling code its repository ships (auto_map); "
+        "off by default.",
     ),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print the vramplan.estimate/1 JSON object.")]
@@ -86,6 +102,8 @@ def recipe_from_options(options: dict) -> Recipe:
     """Validate a command's recipe options (read by name from ``options``, e.g. the
     command's ``locals()``) into a Recipe; a UserError on any bad value."""
     knobs = {name: options[name] for name in RECIPE_OPTIONS}
+    if "optimizer_impl" in options:
+        knobs["optimizer_impl"] = options["optimizer_impl"]
     model_inputs = {name: options[name] for name in MODEL_INPUT_OPTIONS if name in options}
     return Recipe(**knobs, **finetune_from_options(options), **model_inputs)
 

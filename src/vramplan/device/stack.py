@@ -51,6 +51,17 @@ class Stack:
             self.cuda
         ) >= _version(rule["lazy_from_cuda"])
 
+    @property
+    def foreach_default(self) -> bool:
+        """Whether ``torch.optim`` runs its foreach implementation by default on CUDA
+        (from PyTorch 2.0; a per-parameter loop before, with far smaller temporaries).
+
+        >>> parse_stack("torch1.13-cu11.7").foreach_default
+        False
+        """
+        rule = runtime_table()["optimizer_implementation"]
+        return _version(self.torch) >= _version(rule["foreach_from_torch"])
+
 
 def _version(text: str) -> tuple[int, ...]:
     parts = []

@@ -103,7 +103,9 @@ def _run(
         batch = built.make_batch(recipe.batch_size, getattr(torch, recipe.param_dtype_name))
     optimizer = None
     if recipe.is_training:
-        optimizer = build_optimizer(recipe.optimizer, params, policy.optimizer_defaults())
+        optimizer = build_optimizer(
+            recipe.optimizer, params, policy.optimizer_defaults(), recipe.optimizer_impl
+        )
 
     def autocast():
         if not recipe.uses_autocast:

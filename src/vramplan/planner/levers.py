@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from vramplan.pipeline import trace_and_estimate
 from vramplan.planner.bench import Workbench
-from vramplan.recipe import Recipe
+from vramplan.recipe import FUSED_OPTIMIZERS, Recipe
 from vramplan.result import Estimate
 from vramplan.trace.policy import CudaPolicy
 
@@ -24,6 +24,7 @@ FLAG_NAMES = {
     "precision": "--precision",
     "checkpointing": "--checkpointing",
     "optimizer": "--optimizer",
+    "optimizer_impl": "--optimizer-impl",
     "batch_size": "--batch-size",
     "grad_accum": "--grad-accum",
     "lora_rank": "--lora",
@@ -149,6 +150,15 @@ def _candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]
             )
     if recipe.checkpointing == "none" and recipe.is_training:
         found.append(("activation checkpointing", {"checkpointing": "full"}, {}))
+    fusable = recipe.optimizer in FUSED_OPTIMIZERS and recipe.optimizer_impl != "fused"
+    if recipe.is_training and fusable:
+        found.append(
+            (
+                "fused optimizer",
+                {"optimizer_impl": "fused"},
+                {"note": "the same updates in fused kernels: no foreach temporaries"},
+            )
+        )
     if recipe.optimizer in ADAM_FAMILY:
         found.append(
             (

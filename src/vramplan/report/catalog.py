@@ -1,14 +1,18 @@
-"""The GPU catalog as a terminal table, or as JSON rows.
+"""The GPU catalog and the model catalog as terminal tables, or as JSON rows.
 
 render_gpus(vramplan.gpus(), "binary")
+render_models(vramplan.find_models("qwen3"))
 """
 
 from __future__ import annotations
+
+from dataclasses import asdict
 
 from rich.console import Console
 from rich.table import Table
 
 from vramplan.device.catalog import GpuSpec
+from vramplan.quick import ModelMatch
 from vramplan.units import format_bytes
 
 
@@ -31,3 +35,33 @@ def render_gpus(cards: tuple[GpuSpec, ...], units: str) -> None:
             ", ".join(gpu.aliases),
         )
     Console().print(table)
+
+
+def model_rows(matches: list[ModelMatch]) -> list[dict]:
+    """Each model as a JSON row: name, family, licence, published parameters."""
+    return [asdict(match) for match in matches]
+
+
+def _count(match: ModelMatch) -> str:
+    if match.params is None:
+        return "-"
+    if match.params_exact:
+        return f"{match.params:,}"
+    billions = match.params >= 10**9
+    return f"~{match.params / (1e9 if billions else 1e6):g}{'B' if billions else 'M'}"
+
+
+def render_models(matches: list[ModelMatch]) -> None:
+    """One line per model; the bundled Hugging Face ones with their published parameter
+    count (``~`` where the published figure is rounded), licence and family."""
+    if not any(m.licence for m in matches):
+        for match in matches:
+            print(match.name)
+        return
+    width = max(len(m.name) for m in matches)
+    print(f"{'model':<{width}}  {'parameters':>17}  {'licence':<26}  family")
+    for match in matches:
+        print(
+            f"{match.name:<{width}}  {_count(match):>17}  {match.licence or '-':<26}  "
+            f"{match.family or '-'}"
+        )

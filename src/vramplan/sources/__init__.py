@@ -17,26 +17,49 @@ if TYPE_CHECKING:
 PREFIXES = ("torchvision", "timm", "hf")
 
 
-def resolve(spec: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
-    """``torchvision:NAME``, ``timm:NAME``, ``hf:NAME`` (or ``hf:path/config.json``),
-    ``path/to/file.py:factory`` or ``package.module:factory``; built on the meta device
-    (for tracing) or, for a real run, initialised on ``device``."""
+def resolve(
+    spec: str, recipe: Recipe, device: str = "meta", trust_remote_code: bool = False
+) -> BuiltModel:
+    """``torchvision:NAME``, ``timm:NAME``, ``hf:NAME`` (or ``hf:path/config.json``), a bare
+    hub id ``ORG/NAME``, ``path/to/file.py:factory`` or ``package.module:factory``; built on
+    the meta device (for tracing) or, for a real run, initialised on ``device``. A Hugging
+    Face repository's own modeling code runs only with ``trust_remote_code``."""
+    spec = with_source(spec)
     prefix, sep, rest = spec.partition(":")
     if not sep or not rest:
         raise UserError(
             f"cannot read model {spec!r}: use torchvision:NAME, timm:NAME, hf:NAME, "
-            "path/to/file.py:factory or package.module:factory"
+            "a hub id ORG/NAME, path/to/file.py:factory or package.module:factory"
         )
     if prefix in PREFIXES:
         from vramplan.sources.finetune import apply_finetune
 
-        return apply_finetune(_build_named(prefix, rest, recipe, device), recipe, device)
+        built = _build_named(prefix, rest, recipe, device, trust_remote_code)
+        return apply_finetune(built, recipe, device)
     from vramplan.sources.user_code import build_from_factory
 
     return build_from_factory(spec, recipe, device)
 
 
-def _build_named(prefix: str, rest: str, recipe: Recipe, device: str) -> BuiltModel:
+def with_source(spec: str) -> str:
+    """``spec`` with ``hf:`` in front when it is a bare hub id (``ORG/NAME``, no colon, not
+    a path that exists); anything else unchanged.
+
+    >>> with_source("Qwen/Qwen2.5-7B"), with_source("timm:resnet50")
+    ('hf:Qwen/Qwen2.5-7B', 'timm:resnet50')
+    """
+    from pathlib import Path
+
+    from vramplan.sources.hub import parse_hub_id
+
+    if ":" in spec or parse_hub_id(spec) is None or Path(spec).exists():
+        return spec
+    return f"hf:{spec}"
+
+
+def _build_named(
+    prefix: str, rest: str, recipe: Recipe, device: str, trust_remote_code: bool
+) -> BuiltModel:
     if prefix == "torchvision":
         from vramplan.sources.vision import build_torchvision
 
@@ -47,10 +70,10 @@ def _build_named(prefix: str, rest: str, recipe: Recipe, device: str) -> BuiltMo
         return build_timm(rest, recipe, device)
     from vramplan.sources.hf import build_hf
 
-    return build_hf(rest, recipe, device)
+    return build_hf(rest, recipe, device, trust_remote_code)
 
 
-__all__ = ["BuiltModel", "resolve", "model_names", "PREFIXES"]
+__all__ = ["BuiltModel", "resolve", "with_source", "model_names", "PREFIXES"]
 
 
 def __getattr__(name: str):
@@ -63,9 +86,9 @@ def __getattr__(name: str):
 
 
 def model_names(source: str) -> list[str]:
-    """Names ``source:NAME`` accepts (``hf``: the bundled configs).
+    """Names ``source:NAME`` accepts (``hf``: the bundled configs' hub ids).
 
-    >>> "gpt2" in model_names("hf")
+    >>> "openai-community/gpt2" in model_names("hf")
     True
     """
     if source == "hf":

@@ -11,6 +11,7 @@ and the model is built on the meta device::
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ from vramplan.sources.hf_inputs import (
 )
 from vramplan.sources.hf_moe import experts_name, is_moe, moe_note
 from vramplan.sources.hf_moe import register as register_experts
+from vramplan.sources.hub import parse_hub_id
 
 
 def _transformers():
@@ -63,9 +65,11 @@ def _make_config(transformers, name: str, data: dict[str, Any]):
     try:
         config_class = transformers.CONFIG_MAPPING[model_type]
     except KeyError:
+        ships = " ships its own modeling code (auto_map) and" if data.get("auto_map") else ""
         raise UserError(
-            f"config {name}: model_type {model_type!r} is not in transformers "
-            f"{transformers.__version__} (custom code is not run: trust_remote_code stays off)"
+            f"config {name}{ships}: model_type {model_type!r} is not in transformers "
+            f"{transformers.__version__}; vramplan runs no code from a model repository "
+            "unless you pass --trust-remote-code"
         ) from None
     fields = {
         k: v
@@ -113,23 +117,47 @@ def checkpoint_layers(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
 
 
-def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
-    """A transformers model on the meta device with a batch that fits its head."""
-    transformers = _transformers()
-    label, data = load_config_dict(name)
+def _remote_model(transformers, label: str, data: dict[str, Any], device: str) -> nn.Module:
+    """The model a repository's own code builds (``auto_map``), asked for with
+    ``trust_remote_code``: transformers fetches the config and code files, never weights."""
+    validate_config(label, data)
+    hub_id = parse_hub_id(label)
+    where, revision = (hub_id.repo, hub_id.revision) if hub_id else (str(Path(label).parent), None)
+    auto = next(
+        (a for a in _REMOTE_HEADS if a in data["auto_map"]),
+        "AutoModel",
+    )
+    try:
+        config = transformers.AutoConfig.from_pretrained(
+            where, revision=revision, trust_remote_code=True
+        )
+        with torch.device(device):
+            return getattr(transformers, auto).from_config(config, trust_remote_code=True)
+    except Exception as exc:  # the repository's code is the user's to vouch for
+        reason = " ".join(str(exc).split())
+        raise UserError(f"cannot build {label} with its own code: {reason}") from None
+
+
+_REMOTE_HEADS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM")
+
+
+def _local_model(
+    transformers, label: str, data: dict[str, Any], device: str, recipe: Recipe
+) -> nn.Module:
     config = _make_config(transformers, label, data)
     model_class = _model_class(transformers, config, label)
     if recipe.num_classes is not None:
         if not model_class.__name__.endswith(_CLASSIFIERS):
             raise UserError(f"--num-classes: {model_class.__name__} has no classification head")
         config.num_labels = recipe.num_classes
-    # None: transformers' own default (sdpa where the model supports it, else eager)
-    attention = recipe.attention or data.get("attn_implementation")
-    if attention is not None:
+    # transformers' own choice: SDPA where the model supports it (Gemma 2 does not: eager)
+    default_attention = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+    attention = recipe.attention or data.get("attn_implementation", default_attention)
+    if recipe.attention is not None:
         check_attention(attention, model_class, recipe, f"hf:{label}")
     if attention in REGISTERED:
         register_attention(transformers)
-    implementations = {"attn_implementation": attention and attention_name(attention)}
+    implementations = {"attn_implementation": attention_name(attention)}
     if recipe.experts is not None:
         if not is_moe(config):
             raise UserError(f"--experts {recipe.experts}: hf:{label} has no mixture of experts")
@@ -137,10 +165,29 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
         implementations["experts_implementation"] = experts_name(recipe)
     try:
         with torch.device(device):
-            model = model_class._from_config(config, **implementations)
+            return model_class._from_config(config, **implementations)
     except Exception as exc:  # a config transformers accepts but cannot build
         reason = " ".join(str(exc).split())
         raise UserError(f"cannot build {model_class.__name__} from {label}: {reason}") from None
+
+
+def build_hf(
+    name: str, recipe: Recipe, device: str = "meta", trust_remote_code: bool = False
+) -> BuiltModel:
+    """A transformers model on the meta device with a batch that fits its head; a
+    repository's own modeling code runs only with ``trust_remote_code``."""
+    transformers = _transformers()
+    label, data = load_config_dict(name)
+    remote = (
+        trust_remote_code
+        and isinstance(data.get("auto_map"), dict)
+        and data.get("model_type") not in transformers.CONFIG_MAPPING
+    )
+    if remote:
+        model = _remote_model(transformers, label, data, device)
+    else:
+        model = _local_model(transformers, label, data, device, recipe)
+    config = model.config
     kind = model_kind(model)
     built_name = f"hf:{label}"
     inputs = example_inputs(model, kind, recipe, built_name)

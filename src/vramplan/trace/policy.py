@@ -6,6 +6,8 @@ The tracer always runs fake CPU tensors; a policy makes the trace look like the 
     {}
     >>> CudaPolicy().optimizer_defaults()
     {'foreach': True}
+    >>> CudaPolicy(foreach=False).optimizer_defaults()  # PyTorch before 2.0
+    {'foreach': False}
 """
 
 from __future__ import annotations
@@ -64,7 +66,8 @@ class CpuPolicy:
 
 class CudaPolicy(CpuPolicy):
     """What a CUDA GPU does differently: CUDA's autocast op lists and weight-cast cache,
-    foreach optimizers by default, the optimizer's ``step`` counters kept on the host.
+    foreach optimizers by default (``foreach``: PyTorch >= 2.0; a per-parameter loop before),
+    the optimizer's ``step`` counters kept on the host.
     ``arch`` names the GPU architecture. One policy serves one traced run.
 
     ``F.scaled_dot_product_attention`` runs the kernel the GPU would pick (cuDNN, flash,
@@ -73,8 +76,9 @@ class CudaPolicy(CpuPolicy):
 
     name = "cuda"
 
-    def __init__(self, arch: str = "sm80") -> None:
+    def __init__(self, arch: str = "sm80", foreach: bool = True) -> None:
         self.arch = arch
+        self.foreach = foreach
         self._caster = None
         self._kernels: dict[str, int] = {}
 
@@ -116,7 +120,7 @@ class CudaPolicy(CpuPolicy):
         return autocast_region(self._caster_for(recipe))
 
     def optimizer_defaults(self) -> dict:
-        return {"foreach": True}
+        return {"foreach": self.foreach}
 
     def step_scalars_on_host(self) -> bool:
         return True
@@ -131,6 +135,7 @@ def entered(modes: list) -> Iterator[None]:
         yield
 
 
-def policy_for(target: str, arch: str = "sm80") -> DevicePolicy:
-    """The policy for a target device name: ``cuda`` (default, of GPU ``arch``) or ``cpu``."""
-    return CpuPolicy() if target == "cpu" else CudaPolicy(arch)
+def policy_for(target: str, arch: str = "sm80", foreach: bool = True) -> DevicePolicy:
+    """The policy for a target device name: ``cuda`` (default, of GPU ``arch``; ``foreach``
+    the emulated PyTorch's default optimizer implementation there) or ``cpu``."""
+    return CpuPolicy() if target == "cpu" else CudaPolicy(arch, foreach)

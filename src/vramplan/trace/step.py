@@ -236,7 +236,9 @@ def trace_training(
         session.tag_inputs(batch)
         optimizer = None
         if recipe.is_training:
-            optimizer = build_optimizer(recipe.optimizer, params, policy.optimizer_defaults())
+            optimizer = build_optimizer(
+                recipe.optimizer, params, policy.optimizer_defaults(), recipe.optimizer_impl
+            )
             _tag_optimizer_state(session.recorder, optimizer)  # Adagrad's state is eager
         run_steps(
             built,
