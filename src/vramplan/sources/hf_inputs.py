@@ -73,7 +73,13 @@ def model_kind(model: nn.Module) -> str:
             return "speech-seq2seq"
         if getattr(config, "is_encoder_decoder", False):
             return "seq2seq"
-        if getattr(config, "vision_config", None) is not None and hasattr(config, "image_token_id"):
+        vision = getattr(config, "vision_config", None)
+        if vision is not None and hasattr(config, "image_token_id"):
+            if not hasattr(vision, "image_size"):  # Qwen2-VL: images at their own resolution
+                raise UserError(
+                    f"{arch}: images of variable resolution (a grid of patches per image) "
+                    "are not built yet; LLaVA-style models with a fixed image_size are"
+                )
             return "vision-language"
     if arch.endswith("ForMaskedLM"):
         return "masked-lm"
