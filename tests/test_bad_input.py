@@ -461,12 +461,45 @@ case(
 case("estimate-optical-flow", ["estimate", "torchvision:raft_small"], "optical-flow model")
 case("estimate-text-shape-on-lm", ["estimate", T, "--input-shape", "3x224x224"], "text models take")
 
+# -- how a named model is built and fed (--attention, --moe-routing, --experts, ...) ---------
+BF16 = ["--precision", "bf16"]
+case("estimate-attention-unknown", ["estimate", T, "--attention", "fast"], "unknown attention")
+case("estimate-flash-fp32", ["estimate", T, "--attention", "flash_attention_2"], "fp16/bf16 only")
+case(
+    "estimate-flash-cpu",
+    ["estimate", T, "--attention", "flash_attention_2", *BF16, "--target", "cpu"],
+    "no CPU kernels",
+)
+case(
+    "estimate-flash-t4",
+    ["estimate", T, "--attention", "flash_attention_2", *BF16, "--gpu", "t4"],
+    "the card is sm75",
+)
+case("estimate-flex-gpt2", ["estimate", T, "--attention", "flex_attention"], "does not support")
+case("estimate-routing-unknown", ["estimate", T, "--moe-routing", "random"], "unknown MoE routing")
+case("estimate-experts-unknown", ["estimate", T, "--experts", "fast"], "unknown experts")
+case("estimate-experts-dense", ["estimate", T, "--experts", "eager"], "no mixture of experts")
+case("estimate-target-len-0", ["estimate", T, "--target-len", "0"], "--target-len must be")
+case("estimate-target-len-lm", ["estimate", T, "--target-len", "8"], "no decoder of its own")
+case("estimate-num-classes-lm", ["estimate", T, "--num-classes", "3"], "no classification head")
+case(
+    "estimate-num-classes-0",
+    ["estimate", "torchvision:resnet18", "--num-classes", "0"],
+    "--num-classes must be",
+)
+case(
+    "max-batch-attention-unknown", ["max-batch", T, "--attention", "x", *CARD], "unknown attention"
+)
+case("plan-routing-unknown", ["plan", T, "--moe-routing", "x", *CARD], "unknown MoE routing")
+
 # -- model names and user code --------------------------------------------------------------
 SPECS = [
     ("no-prefix", "nonsense", "cannot read model"),
     ("empty-name", "hf:", "cannot read model"),
     ("torchvision-unknown", "torchvision:resnet5O", "unknown torchvision model"),
     ("timm-unknown", "timm:not_a_timm_model", "unknown timm model"),
+    ("timm-bad-tag", "timm:resnet50.no_such_tag", "Invalid pretrained tag"),
+    ("torchvision-bad-weights", "torchvision:ResNet50_Weights.NOPE", "unknown torchvision weights"),
     ("file-missing", "{d}/missing.py:make", "model file not found"),
     ("module-missing", "vramplan_no_such_module:make", "cannot import module"),
     ("no-factory-name", "{d}/models.py:", "cannot read model"),

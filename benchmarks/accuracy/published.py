@@ -1,7 +1,7 @@
 """Estimate the published measurements vramplan can express and report the errors.
 
     python -m benchmarks.accuracy.published            # every mapped row
-    python -m benchmarks.accuracy.published 25 27      # only these rows
+    python -m benchmarks.accuracy.published 83 85 87   # only these rows
 
 ``published.csv`` here maps rows of ../shared/validation/published.csv (by ``row_id``) to
 vramplan recipes; every other row is listed with the reason it cannot be expressed yet.
@@ -69,6 +69,7 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
         checkpointing=row["checkpointing"],
         grad_accum=int(row["grad_accum"]),
         optimizer_impl=row.get("optimizer_impl") or "auto",
+        attention=row.get("attention") or None,
     )
     counter = row.get("used_counter") or "nvml-v1"
     options = device_options(gpu=row["gpu"], used_counter=counter)
@@ -79,12 +80,11 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
     return estimate.peak.device_total_bytes, estimate.peak.device_total_range_bytes
 
 
-def main() -> None:
+def main(only: list[str] | None = None) -> None:
     published = {r["row_id"]: r for r in csv.DictReader(SOURCE.open())} if SOURCE.exists() else {}
     mapped = list(csv.DictReader((HERE / "published.csv").open()))
-    expressed = {r["row_id"] for r in mapped}
-    if len(sys.argv) > 1:  # only these rows: python -m benchmarks.accuracy.published 25 27
-        mapped = [r for r in mapped if r["row_id"] in sys.argv[1:]]
+    if only:
+        mapped = [r for r in mapped if r["row_id"] in only]
     print(
         "| row | quality | model | metric | measured MiB | estimate MiB | error | "
         "range MiB | in range |"
@@ -136,6 +136,9 @@ def main() -> None:
             f"{sum(c for _, c, _ in rows)}/{len(rows)}, median (high - central)/central "
             f"{statistics.median(w for _, _, w in rows):.1%}"
         )
+    if only:
+        return
+    expressed = {r["row_id"] for r in mapped}
     print("\nRows not expressed yet:")
     for row_id, source in published.items():
         if row_id in expressed:
@@ -164,4 +167,4 @@ def _reason(source: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

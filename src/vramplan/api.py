@@ -59,7 +59,8 @@ def estimate(
     ``Session``'s (``gpu``, ``gpu_memory``, ``headroom``, ``alloc_conf``,
     ``cudnn_benchmark``, ``profile``, ``target``) and the ``Recipe``'s knobs
     (``batch_size``, ``seq_len``, ``input_shape``, ``precision``, ``optimizer``,
-    ``checkpointing``, ``grad_accum``, ``mode``).
+    ``checkpointing``, ``grad_accum``, ``mode``; for named models also ``attention``,
+    ``experts``, ``moe_routing``, ``target_len``, ``num_classes``).
     """
     session, knobs = _split(options)
     return Session(model, **session).estimate(layout=layout, **knobs)

@@ -24,6 +24,7 @@ from vramplan.optimizers import MODELLED, implementation_note
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Estimate, ModelInfo
 from vramplan.sources import BuiltModel
+from vramplan.sources.hf_attention import check_attention_target
 from vramplan.sources.quantized import packed_numel_missing
 from vramplan.trace.events import Trace
 from vramplan.trace.generate import generation_details, trace_generation
@@ -73,6 +74,7 @@ def trace_and_estimate(
     """``estimate_built`` that also returns the trace (to judge it on other cards)."""
     device = device or DeviceOptions()
     policy = policy or policy_for(target, device.card.arch, device.software.foreach_default)
+    check_attention_target(recipe.attention, policy.name, device.card.arch)
     trace = traced(built, recipe, policy, engine)
     notes = list(trace.notes)
     if recipe.is_training and recipe.optimizer in MODELLED:

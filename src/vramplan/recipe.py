@@ -96,6 +96,13 @@ class Recipe:
     detection_counts: str = "max"
     resolution: int | None = None  # diffusion (sources/diffusion.py): image side in pixels
     frames: int | None = None  # video (sources/vision.py): frames per clip
+    # How the named model is built and fed (sources/): attention kernel, expert routing,
+    # decoder length, classes of the head.
+    attention: str | None = None
+    moe_routing: str = "balanced"
+    experts: str | None = None
+    target_len: int | None = None
+    num_classes: int | None = None
 
     def __post_init__(self) -> None:
         if (
@@ -132,6 +139,7 @@ class Recipe:
         _check_finetune(self)
         _check_generation(self)
         _check_vision(self)
+        _check_model_inputs(self)
 
     @property
     def checkpoint_blocks(self) -> int | None:
@@ -179,6 +187,9 @@ class Recipe:
             **GENERATION_DEFAULTS,
             **VISION_DEFAULTS,
         }.items():  # absent unless asked for
+            if data[name] == default:
+                data.pop(name)
+        for name, default in MODEL_INPUT_DEFAULTS.items():
             if data[name] == default:
                 data.pop(name)
         return data
@@ -330,3 +341,43 @@ def _check_vision(recipe: Recipe) -> None:
             raise UserError(f"{name} must be a positive integer, got {value}")
     counts = _choice(recipe.detection_counts, DETECTION_COUNTS, "detection count policy")
     object.__setattr__(recipe, "detection_counts", counts)
+
+
+ATTENTION = ("eager", "sdpa", "flash_attention_2", "flex_attention")
+MOE_ROUTING = ("balanced", "worst")
+EXPERTS = ("grouped_mm", "eager")
+MODEL_INPUT_DEFAULTS = {
+    "attention": None,
+    "moe_routing": "balanced",
+    "experts": None,
+    "target_len": None,
+    "num_classes": None,
+}
+
+
+def _check_model_inputs(recipe: Recipe) -> None:
+    """Validate the knobs that choose how a named model is built and fed.
+
+    >>> Recipe(attention="Flash_Attention_2", precision="bf16").attention
+    'flash_attention_2'
+    >>> Recipe(moe_routing="random")
+    Traceback (most recent call last):
+    vramplan.errors.UserError: unknown MoE routing 'random'; choose one of: balanced, worst
+    """
+    if recipe.attention is not None:
+        object.__setattr__(
+            recipe, "attention", _choice(recipe.attention, ATTENTION, "attention implementation")
+        )
+    object.__setattr__(
+        recipe, "moe_routing", _choice(recipe.moe_routing, MOE_ROUTING, "MoE routing")
+    )
+    if recipe.experts is not None:
+        object.__setattr__(
+            recipe, "experts", _choice(recipe.experts, EXPERTS, "experts implementation")
+        )
+    for name, flag in (("target_len", "--target-len"), ("num_classes", "--num-classes")):
+        value = getattr(recipe, name)
+        if value is not None and (
+            not isinstance(value, int) or isinstance(value, bool) or value <= 0
+        ):
+            raise UserError(f"{flag} must be a positive integer, got {value}")

@@ -111,11 +111,15 @@ def recipe_from_options(options: dict) -> Recipe:
     knobs = {name: options[name] for name in RECIPE_OPTIONS}
     if "optimizer_impl" in options:
         knobs["optimizer_impl"] = options["optimizer_impl"]
+    if "optimizer_impl" in options:
+        knobs["optimizer_impl"] = options["optimizer_impl"]
+    model_inputs = {name: options[name] for name in MODEL_INPUT_OPTIONS if name in options}
     return Recipe(
         **knobs,
         **finetune_from_options(options),
         **generation_from_options(options),
         **vision_from_options(options),
+        **model_inputs,
     )
 
 
@@ -421,3 +425,43 @@ VISION_OPTIONS = ("boxes_per_image", "detection_counts", "resolution", "frames")
 def vision_from_options(options: dict) -> dict:
     """The vision-task knobs among a command's options (those it has), by Recipe name."""
     return {name: options[name] for name in VISION_OPTIONS if name in options}
+
+
+# -- how a named model is built and fed (sources/) ------------------------------------------
+
+AttentionOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--attention",
+        help="eager | sdpa | flash_attention_2 | flex_attention: transformers' "
+        "attn_implementation (default: the config's, else sdpa).",
+    ),
+]
+MoeRoutingOpt = Annotated[
+    str,
+    typer.Option(
+        "--moe-routing",
+        help="balanced | worst: how tokens spread over a mixture-of-experts layer's experts "
+        "(balanced: evenly; worst: every token to the same top-k experts).",
+    ),
+]
+ExpertsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--experts",
+        help="grouped_mm | eager: transformers' experts_implementation for mixture-of-experts "
+        "models (default grouped_mm; eager is the per-expert loop --moe-routing sizes).",
+    ),
+]
+TargetLenOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--target-len", help="Decoder tokens per sample of an encoder-decoder model (T5, Whisper)."
+    ),
+]
+NumClassesOpt = Annotated[
+    int | None,
+    typer.Option("--num-classes", help="Classes of an image model's head (default: the model's)."),
+]
+
+MODEL_INPUT_OPTIONS = ("attention", "moe_routing", "experts", "target_len", "num_classes")

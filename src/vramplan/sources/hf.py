@@ -10,6 +10,7 @@ and the model is built on the meta device::
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -19,15 +20,20 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel
-from vramplan.sources.configs import load_config_dict, validate_config
+from vramplan.sources.configs import WIDTH_KEYS, load_config_dict, validate_config
 from vramplan.sources.generation import generator_for
+from vramplan.sources.hf_attention import NOTES, REGISTERED, attention_name, check_attention
+from vramplan.sources.hf_attention import register as register_attention
+from vramplan.sources.hf_inputs import (
+    ENCODER_DECODER,
+    example_inputs,
+    learned_positions,
+    model_kind,
+    value_checks_off,
+)
+from vramplan.sources.hf_moe import experts_name, is_moe, moe_note
+from vramplan.sources.hf_moe import register as register_experts
 from vramplan.sources.hub import parse_hub_id
-
-DEFAULT_SEQ_LEN = 512
-DEFAULT_IMAGE_SIZE = 224
-# Models whose positions are learned embeddings cannot run past their table.
-_POSITION_KEYS = ("n_positions", "max_position_embeddings")
-_ABSOLUTE_POSITIONS = {"gpt2", "bert", "roberta", "vit", "gpt_neo", "opt", "distilbert"}
 
 
 def _transformers():
@@ -39,8 +45,24 @@ def _transformers():
     return transformers
 
 
+_CLASSIFIERS = ("ForImageClassification", "ForSequenceClassification")
+
+
+def _validate(name: str, data: dict[str, Any]) -> None:
+    """A composite config (CLIP, LLaVA: sizes only in ``text_config``/``vision_config``)
+    is validated part by part."""
+    parts = {k: v for k, v in data.items() if k.endswith("_config") and isinstance(v, dict)}
+    if not parts or any(key in data for key in WIDTH_KEYS):
+        validate_config(name, data)
+        return
+    if not isinstance(data.get("model_type"), str):
+        raise UserError(f"config {name} has no model_type")
+    for key, part in parts.items():
+        validate_config(f"{name} {key}", {"model_type": data["model_type"], **part})
+
+
 def _make_config(transformers, name: str, data: dict[str, Any]):
-    validate_config(name, data)
+    _validate(name, data)
     model_type = data["model_type"]
     try:
         config_class = transformers.CONFIG_MAPPING[model_type]
@@ -79,47 +101,6 @@ def _model_class(transformers, config, name: str):
         if type(config) in mapping:
             return mapping[type(config)]
     raise UserError(f"config {name}: no trainable head for architectures {architectures}")
-
-
-def _kind(model: nn.Module) -> str:
-    arch = type(model).__name__
-    if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
-        return "causal-lm"
-    if arch.endswith("ForConditionalGeneration") and getattr(
-        model.config, "is_encoder_decoder", False
-    ):
-        return "seq2seq"
-    if arch.endswith("ForMaskedLM"):
-        return "masked-lm"
-    if arch.endswith("ForImageClassification"):
-        return "image-classification"
-    if arch.endswith("ForSequenceClassification"):
-        return "sequence-classification"
-    raise UserError(f"hf model architecture {arch} is not supported yet")
-
-
-def _max_positions(config) -> int | None:
-    for key in _POSITION_KEYS:
-        value = getattr(config, key, None)
-        if isinstance(value, int):
-            return value - (2 if config.model_type == "roberta" else 0)
-    return None
-
-
-def _seq_len(config, recipe: Recipe, label: str) -> int:
-    limit = _max_positions(config)
-    seq_len = recipe.seq_len
-    if seq_len is None and recipe.input_shape:
-        if len(recipe.input_shape) != 1:
-            raise UserError(
-                f"text models take --seq-len (or --input-shape S), got {recipe.input_shape}"
-            )
-        seq_len = recipe.input_shape[0]
-    if seq_len is None:
-        seq_len = min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)
-    if limit is not None and config.model_type in _ABSOLUTE_POSITIONS and seq_len > limit:
-        raise UserError(f"{label} has {limit} learned positions; --seq-len {seq_len} is longer")
-    return seq_len
 
 
 def checkpoint_layers(model: nn.Module) -> list[nn.Module]:
@@ -162,16 +143,31 @@ def _remote_model(transformers, label: str, data: dict[str, Any], device: str) -
 _REMOTE_HEADS = ("AutoModelForCausalLM", "AutoModelForMaskedLM", "AutoModelForSeq2SeqLM")
 
 
-def _local_model(transformers, label: str, data: dict[str, Any], device: str) -> nn.Module:
+def _local_model(
+    transformers, label: str, data: dict[str, Any], device: str, recipe: Recipe
+) -> nn.Module:
     config = _make_config(transformers, label, data)
     model_class = _model_class(transformers, config, label)
+    if recipe.num_classes is not None:
+        if not model_class.__name__.endswith(_CLASSIFIERS):
+            raise UserError(f"--num-classes: {model_class.__name__} has no classification head")
+        config.num_labels = recipe.num_classes
     # transformers' own choice: SDPA where the model supports it (Gemma 2 does not: eager)
     default_attention = "sdpa" if getattr(model_class, "_supports_sdpa", True) else "eager"
+    attention = recipe.attention or data.get("attn_implementation", default_attention)
+    if recipe.attention is not None:
+        check_attention(attention, model_class, recipe, f"hf:{label}")
+    if attention in REGISTERED:
+        register_attention(transformers)
+    implementations = {"attn_implementation": attention_name(attention)}
+    if recipe.experts is not None:
+        if not is_moe(config):
+            raise UserError(f"--experts {recipe.experts}: hf:{label} has no mixture of experts")
+        register_experts(transformers)
+        implementations["experts_implementation"] = experts_name(recipe)
     try:
         with torch.device(device):
-            return model_class._from_config(
-                config, attn_implementation=data.get("attn_implementation", default_attention)
-            )
+            return model_class._from_config(config, **implementations)
     except Exception as exc:  # a config transformers accepts but cannot build
         reason = " ".join(str(exc).split())
         raise UserError(f"cannot build {model_class.__name__} from {label}: {reason}") from None
@@ -189,40 +185,22 @@ def build_hf(
         and isinstance(data.get("auto_map"), dict)
         and data.get("model_type") not in transformers.CONFIG_MAPPING
     )
-    model = (_remote_model if remote else _local_model)(transformers, label, data, device)
-    config = model.config
-    kind = _kind(model)
-    vocab = getattr(config, "vocab_size", None)
-    built_name = f"hf:{label}"
-
-    if kind == "image-classification":
-        size = getattr(config, "image_size", DEFAULT_IMAGE_SIZE)
-        shape = recipe.input_shape or (getattr(config, "num_channels", 3), size, size)
-        classes = config.num_labels
-
-        def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
-            return {
-                "pixel_values": torch.randn(batch_size, *shape, dtype=dtype),
-                "labels": torch.randint(0, classes, (batch_size,)),
-            }
+    if remote:
+        model = _remote_model(transformers, label, data, device)
     else:
-        seq_len = _seq_len(config, recipe, built_name)
-        shape = (seq_len,)
-
-        def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
-            ids = torch.randint(0, vocab, (batch_size, seq_len))
-            batch = {"input_ids": ids}
-            if kind == "sequence-classification":
-                batch["labels"] = torch.randint(0, config.num_labels, (batch_size,))
-            else:
-                batch["labels"] = ids
-            return batch
+        model = _local_model(transformers, label, data, device, recipe)
+    config = model.config
+    kind = model_kind(model)
+    built_name = f"hf:{label}"
+    inputs = example_inputs(model, kind, recipe, built_name)
 
     def run(module: nn.Module, batch: Batch, training: bool):
-        if training:
-            return module(**batch).loss
-        inputs = {k: v for k, v in batch.items() if k != "labels" or kind == "seq2seq"}
-        return module(**inputs)
+        checks = contextlib.nullcontext() if inputs.value_checks else value_checks_off()
+        with checks:
+            if training:
+                return module(**batch, **inputs.loss_kwargs).loss
+            keep_labels = kind in ENCODER_DECODER  # the decoder reads them
+            return module(**{k: v for k, v in batch.items() if k != "labels" or keep_labels})
 
     def enable_checkpointing(module: nn.Module, limit: int | None) -> int:
         non_reentrant = {"use_reentrant": False}
@@ -241,20 +219,24 @@ def build_hf(
         architecture=type(model).__name__,
         kind=kind,
         model=model,
-        make_batch=make_batch,
+        make_batch=inputs.make_batch,
         run=run,
-        default_input_shape=shape,
+        default_input_shape=inputs.shape,
         enable_checkpointing=enable_checkpointing
         if model.supports_gradient_checkpointing
         else None,
         blocks=len(checkpoint_layers(model)) if model.supports_gradient_checkpointing else 0,
-        sequence=kind != "image-classification",
-        generator=generator_for(model, config, _learned_positions(config))
+        sequence=inputs.sequence,
+        notes=inputs.notes + _notes(config, recipe, inputs.shape),
+        generator=generator_for(model, config, learned_positions(config))
         if kind == "causal-lm"
         else None,
     )
 
 
-def _learned_positions(config) -> int | None:
-    """The position table of a model with learned positions (None for rotary ones)."""
-    return _max_positions(config) if config.model_type in _ABSOLUTE_POSITIONS else None
+def _notes(config, recipe: Recipe, shape: tuple[int, ...]) -> list[str]:
+    """What the build chose that the reader should know: attention, expert routing."""
+    notes = [NOTES[recipe.attention]] if recipe.attention else []
+    if is_moe(config):
+        notes.append(moe_note(config, recipe, recipe.batch_size * shape[0]))
+    return notes

@@ -20,8 +20,6 @@ from vramplan.sources.blocks import (
     true_repeated_blocks,
 )
 
-_DEFAULT_SIZES = {"inception_v3": 299}
-
 
 def require_package(module: str, extra: str):
     try:
@@ -74,35 +72,70 @@ def _segmentation(name: str, model: nn.Module, shape: tuple[int, ...], classes: 
     )
 
 
+def _torchvision_name(torchvision, name: str, known: list[str]) -> tuple[str, object]:
+    """The builder for a name torchvision accepts: any case (``get_model`` lowers it) or a
+    weights name (``ResNet50_Weights.IMAGENET1K_V2``); and the weights whose transforms
+    give the default input size (the named ones, else the builder's ``DEFAULT``)."""
+    models = torchvision.models
+    if "_Weights" in name:
+        try:
+            weights = models.get_weight(name)
+        except (ValueError, KeyError, AttributeError):
+            raise UserError(f"unknown torchvision weights {name!r}") from None
+        builder = next(m for m in known if models.get_model_weights(m) is type(weights))
+        return builder, weights
+    builder = name.lower()
+    if builder not in known:
+        return builder, None
+    return builder, models.get_model_weights(builder).DEFAULT
+
+
+def _weights_size(weights, fallback: int) -> int:
+    """The crop (classification) or resize (segmentation) size of the weights' transforms."""
+    keywords = getattr(getattr(weights, "transforms", None), "keywords", {})
+    size = keywords.get("crop_size", keywords.get("resize_size", fallback))
+    return size[0] if isinstance(size, (list, tuple)) else size
+
+
 def build_torchvision(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
-    """A torchvision classification or segmentation model, no weights."""
+    """A torchvision classification, segmentation, detection or video model, no weights."""
     torchvision = require_package("torchvision", "vision")
     classification = torchvision.models.list_models(module=torchvision.models)
     segmentation = torchvision.models.list_models(module=torchvision.models.segmentation)
-    if name not in classification and name not in segmentation:
+    builder, weights = _torchvision_name(torchvision, name, classification + segmentation)
+    if builder not in classification and builder not in segmentation:
         detection = torchvision.models.list_models(module=torchvision.models.detection)
-        if name in detection:
+        if builder in detection:
             from vramplan.sources.detection import build_detection
 
-            return build_detection(name, recipe, device)
-        if name in torchvision.models.list_models(module=torchvision.models.video):
-            return _video(torchvision, name, recipe, device)
-        _refuse_other_tasks(torchvision, name)
+            return build_detection(builder, recipe, device)
+        if builder in torchvision.models.list_models(module=torchvision.models.video):
+            return _video(torchvision, builder, recipe, device)
+        _refuse_other_tasks(torchvision, builder)
         raise _unknown("torchvision", name, classification + segmentation + detection)
-    size = _DEFAULT_SIZES.get(name, 520 if name in segmentation else 224)
+    size = _weights_size(weights, 520 if builder in segmentation else 224)
     shape = _image_shape(recipe, size)
     kwargs = {"weights": None}
-    if name in segmentation:
+    if builder in segmentation:
         kwargs.update(weights_backbone=None)
-        if not name.startswith("lraspp"):  # LR-ASPP has no auxiliary head
+        if not builder.startswith("lraspp"):  # LR-ASPP has no auxiliary head
             kwargs.update(aux_loss=True)
+    if recipe.num_classes is not None:
+        kwargs["num_classes"] = recipe.num_classes
+    if builder.startswith("vit_") and shape[1] == shape[2]:  # ViT's positions fit one size
+        kwargs["image_size"] = shape[1]
     with torch.device(device):
-        model = torchvision.models.get_model(name, **kwargs)
-    if name in segmentation:
+        model = torchvision.models.get_model(builder, **kwargs)
+    if builder in segmentation:
         convs = [m for m in model.classifier.modules() if isinstance(m, nn.Conv2d)]
-        built = _segmentation(name, model, shape, convs[-1].out_channels)
+        built = _segmentation(builder, model, shape, convs[-1].out_channels)
     else:
-        built = image_classifier(f"torchvision:{name}", type(model).__name__, model, shape)
+        built = image_classifier(f"torchvision:{builder}", type(model).__name__, model, shape)
+    if recipe.input_shape is None:
+        built.notes.append(
+            f"input {_shape_text(shape)}: the default size of torchvision's {weights} "
+            "(--input-shape to change it)"
+        )
     built.enable_checkpointing = checkpoint_repeated_blocks
     built.blocks = len(true_repeated_blocks(model))
     return built
@@ -177,6 +210,10 @@ def _video(torchvision, name: str, recipe: Recipe, device: str) -> BuiltModel:
     return built
 
 
+def _shape_text(shape: tuple[int, ...]) -> str:
+    return "x".join(str(d) for d in shape)
+
+
 def _timm_checkpointing(model: nn.Module, limit: int | None) -> int:
     """timm's own switch for all blocks; the first ``limit`` repeated blocks otherwise."""
     if limit is None and hasattr(model, "set_grad_checkpointing"):
@@ -186,18 +223,32 @@ def _timm_checkpointing(model: nn.Module, limit: int | None) -> int:
 
 
 def build_timm(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
-    """A timm model, no weights (``pretrained=False``)."""
+    """A timm model, no weights (``pretrained=False``): any name ``timm.create_model``
+    takes, a deprecated one (``xception`` is ``legacy_xception``) or one with a pretrained
+    tag (``resnet50.a1_in1k``), whose pretrained config gives the default input size."""
     timm = require_package("timm", "timm")
-    known = timm.list_models()
-    if name not in known:
-        raise _unknown("timm", name, known)
-    with torch.device(device):
-        model = timm.create_model(name, pretrained=False)
-    default = tuple(getattr(model, "default_cfg", {}).get("input_size", (3, 224, 224)))
+    if not timm.is_model(name):
+        raise _unknown("timm", name, timm.list_models())
+    kwargs = {} if recipe.num_classes is None else {"num_classes": recipe.num_classes}
+    try:
+        with torch.device(device):
+            model = timm.create_model(name, pretrained=False, **kwargs)
+    except RuntimeError as exc:  # an unknown pretrained tag
+        raise UserError(f"timm:{name}: {exc}") from None
+    config = getattr(model, "pretrained_cfg", None) or getattr(model, "default_cfg", {})
+    default = tuple(config.get("input_size", (3, 224, 224)))
     shape = recipe.input_shape or default
     if len(shape) != 3:
         raise UserError(f"image models take --input-shape CxHxW, got {shape}")
+    resolved = ".".join(p for p in (config.get("architecture"), config.get("tag")) if p)
     built = image_classifier(f"timm:{name}", type(model).__name__, model, shape)
+    if recipe.input_shape is None:
+        built.notes.append(
+            f"input {_shape_text(shape)}: the input size of timm's pretrained config "
+            f"{resolved or name} (--input-shape to change it)"
+        )
+    if resolved and resolved.split(".")[0] != name.split(".")[0]:
+        built.notes.append(f"timm:{name} is timm's deprecated name for {resolved}")
     built.enable_checkpointing = _timm_checkpointing
     built.blocks = len(true_repeated_blocks(model))
     return built

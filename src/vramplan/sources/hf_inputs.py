@@ -1,0 +1,299 @@
+"""The example batch of a transformers model, built from its config: token ids for text
+models, images of the config's size, Whisper's log-mel features, an encoder-decoder's
+decoder length (``--target-len``), image and text together for CLIP/SigLIP and LLaVA::
+
+    >>> import transformers
+    >>> config = transformers.WhisperConfig(num_mel_bins=128, max_source_positions=1500)
+    >>> speech_features(config)
+    (128, 3000)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from vramplan.errors import UserError
+from vramplan.recipe import Recipe
+from vramplan.sources.base import Batch
+
+DEFAULT_SEQ_LEN = 512
+DEFAULT_IMAGE_SIZE = 224
+# Models whose positions are learned embeddings cannot run past their table.
+_POSITION_KEYS = ("n_positions", "max_position_embeddings")
+_ABSOLUTE_POSITIONS = {"gpt2", "bert", "roberta", "vit", "gpt_neo", "opt", "distilbert"}
+# the kinds whose decoder reads the labels in inference too
+ENCODER_DECODER = ("seq2seq", "speech-seq2seq")
+
+
+@dataclass
+class ExampleInputs:
+    """How to make and feed one batch, and what the reader should know about it."""
+
+    shape: tuple[int, ...]
+    make_batch: Callable[[int, torch.dtype], Batch]
+    sequence: bool
+    notes: list[str] = field(default_factory=list)
+    loss_kwargs: dict[str, Any] = field(default_factory=dict)
+    value_checks: bool = True
+    """False: transformers' ``torch_compilable_check``s on tensor values (which fake
+    tensors do not have) are switched off while the model runs."""
+
+
+@contextlib.contextmanager
+def value_checks_off() -> Iterator[None]:
+    """transformers' own switch for its value checks (``TRANSFORMERS_DISABLE_TORCH_CHECK``),
+    set while a traced forward runs; the checks allocate nothing."""
+    key = "TRANSFORMERS_DISABLE_TORCH_CHECK"
+    before = os.environ.get(key)
+    os.environ[key] = "1"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
+
+
+def model_kind(model: nn.Module) -> str:
+    """What the model takes and returns, from its class and config."""
+    arch = type(model).__name__
+    config = model.config
+    if arch.endswith("ForCausalLM") or arch.endswith("LMHeadModel"):
+        return "causal-lm"
+    if arch.endswith("ForConditionalGeneration"):
+        if hasattr(config, "num_mel_bins"):
+            return "speech-seq2seq"
+        if getattr(config, "is_encoder_decoder", False):
+            return "seq2seq"
+        vision = getattr(config, "vision_config", None)
+        if vision is not None and hasattr(config, "image_token_id"):
+            if not hasattr(vision, "image_size"):  # Qwen2-VL: images at their own resolution
+                raise UserError(
+                    f"{arch}: images of variable resolution (a grid of patches per image) "
+                    "are not built yet; LLaVA-style models with a fixed image_size are"
+                )
+            return "vision-language"
+    if arch.endswith("ForMaskedLM"):
+        return "masked-lm"
+    if arch.endswith("ForImageClassification"):
+        return "image-classification"
+    if arch.endswith("ForSequenceClassification"):
+        return "sequence-classification"
+    if hasattr(model, "get_text_features") and hasattr(model, "get_image_features"):
+        return "contrastive"
+    raise UserError(f"hf model architecture {arch} is not supported yet")
+
+
+def _max_positions(config) -> int | None:
+    for key in _POSITION_KEYS:
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value - (2 if config.model_type == "roberta" else 0)
+    return None
+
+
+def learned_positions(config) -> int | None:
+    """The position table of a model with learned positions (None for rotary ones)."""
+    return _max_positions(config) if config.model_type in _ABSOLUTE_POSITIONS else None
+
+
+def text_length(config, recipe: Recipe, label: str, learned: bool = False) -> int:
+    """Tokens per sample: --seq-len (or a 1-d --input-shape), else 512 or the model's
+    limit; refused past a table of learned positions."""
+    limit = _max_positions(config)
+    seq_len = recipe.seq_len
+    if seq_len is None and recipe.input_shape:
+        if len(recipe.input_shape) != 1:
+            raise UserError(
+                f"text models take --seq-len (or --input-shape S), got {recipe.input_shape}"
+            )
+        seq_len = recipe.input_shape[0]
+    if seq_len is None:
+        seq_len = min(DEFAULT_SEQ_LEN, limit or DEFAULT_SEQ_LEN)
+    learned = learned or config.model_type in _ABSOLUTE_POSITIONS
+    if limit is not None and learned and seq_len > limit:
+        raise UserError(f"{label} has {limit} learned positions; --seq-len {seq_len} is longer")
+    return seq_len
+
+
+def image_shape(config, recipe: Recipe) -> tuple[int, ...]:
+    """(channels, size, size) from the (vision) config, unless --input-shape gives one."""
+    if recipe.input_shape is not None:
+        if len(recipe.input_shape) != 3:
+            raise UserError(f"image models take --input-shape CxHxW, got {recipe.input_shape}")
+        return recipe.input_shape
+    size = getattr(config, "image_size", DEFAULT_IMAGE_SIZE)
+    size = size[0] if isinstance(size, (list, tuple)) else size
+    return (getattr(config, "num_channels", 3), size, size)
+
+
+def speech_features(config) -> tuple[int, int]:
+    """Whisper's encoder input: (mel bins, frames); the encoder's two convolutions halve
+    the frames to its ``max_source_positions``."""
+    return config.num_mel_bins, 2 * config.max_source_positions
+
+
+def _decoder_length(recipe: Recipe, default: int, limit: int | None, label: str) -> int:
+    length = recipe.target_len or default
+    if limit is not None and length > limit:
+        raise UserError(f"{label}'s decoder has {limit} learned positions; --target-len {length}")
+    return length
+
+
+def example_inputs(model: nn.Module, kind: str, recipe: Recipe, label: str) -> ExampleInputs:
+    """The batch ``kind`` takes, sized from the model's config and the recipe."""
+    config = model.config
+    if recipe.target_len is not None and kind not in ENCODER_DECODER:
+        raise UserError(f"--target-len: {label} has no decoder of its own (not encoder-decoder)")
+    if kind == "image-classification":
+        return _image_classification(config, recipe)
+    if kind == "speech-seq2seq":
+        return _speech(config, recipe, label)
+    if kind == "contrastive":
+        return _contrastive(config, recipe, label)
+    if kind == "vision-language":
+        return _vision_language(config, recipe, label)
+    return _text(config, kind, recipe, label)
+
+
+def _image_classification(config, recipe: Recipe) -> ExampleInputs:
+    shape = image_shape(config, recipe)
+    classes = config.num_labels
+
+    def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
+        return {
+            "pixel_values": torch.randn(batch_size, *shape, dtype=dtype),
+            "labels": torch.randint(0, classes, (batch_size,)),
+        }
+
+    notes = [] if recipe.input_shape else [f"{_image_note(shape)} (--input-shape)"]
+    return ExampleInputs(shape, make_batch, sequence=False, notes=notes)
+
+
+def _image_note(shape: tuple[int, ...]) -> str:
+    return f"images {'x'.join(map(str, shape))}: the config's image_size"
+
+
+def _fixed_image(recipe: Recipe, label: str) -> None:
+    if recipe.input_shape is not None:
+        raise UserError(
+            f"{label}: the image size is the vision config's (its positions are learned); "
+            "--input-shape cannot change it"
+        )
+
+
+def _text(config, kind: str, recipe: Recipe, label: str) -> ExampleInputs:
+    seq_len = text_length(config, recipe, label)
+    target = seq_len
+    notes = []
+    if kind == "seq2seq":
+        target = _decoder_length(recipe, seq_len, None, label)
+        if recipe.target_len is None:
+            notes.append(f"decoder length {target}: the encoder's (--target-len to change it)")
+    vocab = config.vocab_size
+
+    def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
+        ids = torch.randint(0, vocab, (batch_size, seq_len))
+        if kind == "sequence-classification":
+            labels = torch.randint(0, config.num_labels, (batch_size,))
+        elif kind == "seq2seq" and target != seq_len:
+            labels = torch.randint(0, vocab, (batch_size, target))
+        else:
+            labels = ids
+        return {"input_ids": ids, "labels": labels}
+
+    return ExampleInputs((seq_len,), make_batch, sequence=True, notes=notes)
+
+
+def _speech(config, recipe: Recipe, label: str) -> ExampleInputs:
+    if recipe.seq_len is not None or recipe.input_shape is not None:
+        bins, frames = speech_features(config)
+        raise UserError(
+            f"{label}'s encoder takes {bins} mel bins x {frames} frames (30 s); "
+            "give the decoder's length with --target-len"
+        )
+    features = speech_features(config)
+    limit = config.max_target_positions
+    target = _decoder_length(recipe, limit, limit, label)
+    vocab = config.vocab_size
+
+    def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
+        return {
+            "input_features": torch.randn(batch_size, *features, dtype=dtype),
+            "labels": torch.randint(0, vocab, (batch_size, target)),
+        }
+
+    notes = [
+        f"speech input {features[0]} mel bins x {features[1]} frames from the config; "
+        f"decoder length {target}"
+        + ("" if recipe.target_len else " (max_target_positions; --target-len to change it)")
+    ]
+    return ExampleInputs(features, make_batch, sequence=False, notes=notes)
+
+
+def _contrastive(config, recipe: Recipe, label: str) -> ExampleInputs:
+    text, vision = config.text_config, config.vision_config
+    seq_len = recipe.seq_len or _max_positions(text) or DEFAULT_SEQ_LEN
+    limit = _max_positions(text)
+    if limit is not None and seq_len > limit:
+        raise UserError(f"{label}'s text tower has {limit} positions; --seq-len {seq_len}")
+    _fixed_image(recipe, label)
+    shape = image_shape(vision, recipe)
+    vocab = text.vocab_size
+
+    def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
+        return {
+            "input_ids": torch.randint(0, vocab, (batch_size, seq_len)),
+            "pixel_values": torch.randn(batch_size, *shape, dtype=dtype),
+        }
+
+    notes = [f"{_image_note(shape)}; text {seq_len} tokens (--seq-len)"]
+    return ExampleInputs(
+        (seq_len,), make_batch, sequence=True, notes=notes, loss_kwargs={"return_loss": True}
+    )
+
+
+def image_tokens(config) -> int:
+    """Image tokens a LLaVA-style model puts in the text: one per vision patch (the CLS
+    token dropped by the ``default`` feature strategy)."""
+    vision = config.vision_config
+    patches = (vision.image_size // vision.patch_size) ** 2
+    strategy = getattr(config, "vision_feature_select_strategy", "default")
+    return patches + (1 if strategy == "full" else 0)
+
+
+def _vision_language(config, recipe: Recipe, label: str) -> ExampleInputs:
+    text = text_length(config.text_config, recipe, label)
+    _fixed_image(recipe, label)
+    shape = image_shape(config.vision_config, recipe)
+    images = image_tokens(config)
+    seq_len = images + text
+    vocab, image_id = config.text_config.vocab_size, config.image_token_id
+
+    def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
+        ids = torch.cat(
+            [
+                torch.full((batch_size, images), image_id),
+                torch.randint(0, min(vocab, image_id), (batch_size, text)),
+            ],
+            dim=1,
+        )
+        return {
+            "input_ids": ids,
+            "pixel_values": torch.randn(batch_size, *shape, dtype=dtype),
+            "labels": ids,
+        }
+
+    notes = [
+        f"one image per sample ({_image_note(shape)}) as {images} image tokens before "
+        f"{text} text tokens (--seq-len): {seq_len} tokens"
+    ]
+    return ExampleInputs((seq_len,), make_batch, sequence=True, notes=notes, value_checks=False)
