@@ -1,6 +1,7 @@
 """Estimate the published measurements vramplan can express and report the errors.
 
-    python -m benchmarks.accuracy.published
+    python -m benchmarks.accuracy.published            # every mapped row
+    python -m benchmarks.accuracy.published 107 109    # only these rows
 
 ``published.csv`` here maps rows of ../shared/validation/published.csv (by ``row_id``) to
 vramplan recipes; every other row is listed with the reason it cannot be expressed yet.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import csv
 import statistics
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -57,6 +59,26 @@ def _profile(row: dict, gpu, counter: str) -> DeviceProfile | None:
     )
 
 
+def knobs(text: str) -> dict:
+    """The ``knobs`` column: ``name=value`` pairs separated by spaces (fine-tuning and recipe
+    tricks; ``;`` stands for ``,`` inside a value).
+
+    >>> knobs("lora_rank=8 lora_targets=q_proj;v_proj double_quant=1 lora_dropout=0.1")
+    {'lora_rank': 8, 'lora_targets': 'q_proj,v_proj', 'double_quant': True, 'lora_dropout': 0.1}
+    """
+    flags = ("double_quant", "packing", "optimizer_in_backward", "activation_offload", "fused_ce")
+    found: dict = {}
+    for pair in text.split():
+        name, _, value = pair.partition("=")
+        if name in flags:
+            found[name] = value == "1"
+        elif value.replace(".", "", 1).isdigit():
+            found[name] = float(value) if "." in value else int(value)
+        else:
+            found[name] = value.replace(";", ",")
+    return found
+
+
 def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
     """The estimate of the row's metric, and its [low, high] range (device-level rows)."""
     recipe = Recipe(
@@ -67,6 +89,7 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
         optimizer=row["optimizer"],
         checkpointing=row["checkpointing"],
         grad_accum=int(row["grad_accum"]),
+        **knobs(row.get("knobs") or ""),
     )
     counter = row.get("used_counter") or "nvml-v1"
     options = device_options(gpu=row["gpu"], used_counter=counter)
@@ -74,12 +97,17 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
     estimate = estimate_built(resolve(row["model"], recipe), recipe, "cuda", options)
     if row["metric"] == "allocated":
         return estimate.peak.allocated_bytes, None
+    if row["metric"] == "reserved":
+        return estimate.peak.reserved_bytes, None
     return estimate.peak.device_total_bytes, estimate.peak.device_total_range_bytes
 
 
-def main() -> None:
+def main(rows: list[str] | None = None) -> None:
+    """Every mapped row, or only ``rows`` (row ids, e.g. from the command line)."""
     published = {r["row_id"]: r for r in csv.DictReader(SOURCE.open())} if SOURCE.exists() else {}
     mapped = list(csv.DictReader((HERE / "published.csv").open()))
+    if rows:
+        mapped = [r for r in mapped if r["row_id"] in rows]
     print(
         "| row | quality | model | metric | measured MiB | estimate MiB | error | "
         "range MiB | in range |"
@@ -131,6 +159,8 @@ def main() -> None:
             f"{sum(c for _, c, _ in rows)}/{len(rows)}, median (high - central)/central "
             f"{statistics.median(w for _, _, w in rows):.1%}"
         )
+    if rows:
+        return
     expressed = {r["row_id"] for r in mapped}
     print("\nRows not expressed yet:")
     for row_id, source in published.items():
@@ -160,4 +190,4 @@ def _reason(source: dict) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])
