@@ -39,6 +39,14 @@ FLAG_NAMES = {
 LORA = {"lora_rank": 16, "lora_targets": "all-linear"}
 QLORA = {"quantize": "nf4", "double_quant": True, **LORA}
 FINETUNE_LEVERS = ("LoRA", "QLoRA")
+# Shown alone in the table; the first plan combines only the standard levers (each trick
+# would multiply the traces the search runs).
+TRICK_LEVERS = (
+    "paged 8-bit AdamW",
+    "optimizer step in backward",
+    "activation offloading",
+    "chunked loss",
+)
 
 
 @dataclass(frozen=True)
@@ -360,6 +368,11 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
         "sharding (ZeRO/FSDP) and CPU offload are not levers in this table: the GPUs-needed "
         "answer covers them (per-rank ZeRO layouts, FSDP2 traced)"
     ]
+    if any(lever.name in TRICK_LEVERS for lever in levers):
+        notes.append(
+            "paged 8-bit AdamW, the optimizer step in backward, activation offloading and the "
+            "chunked loss are traced alone; the first plan combines the standard levers only"
+        )
     plan = (
         None
         if baseline.verdict.status == "fits"
@@ -396,6 +409,7 @@ def _first_plan(
         if "precision" not in lever.changes
         and lever.name != "gradient accumulation"
         and lever.name not in FINETUNE_LEVERS
+        and lever.name not in TRICK_LEVERS
     ]
     for precision in precisions:
         changes = dict(precision.changes) if precision else {}
