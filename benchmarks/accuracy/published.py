@@ -176,8 +176,16 @@ def _reason(source: dict) -> str:
         return "float8 training or torch.compile: not traced"
     if "sac" in text.split() or "selective op" in text or "op-level sac" in text:
         return "op-level selective activation checkpointing (torchtitan SAC) is not a mode here"
-    if "lora" in text or "4-bit" in text or "nf4" in text:
-        return "LoRA/QLoRA tracing (frozen or quantised base) is formula-only (`vramplan llm`)"
+    if "mixtral" in text:
+        return "Mixtral (MoE expert dispatch) not expressed: no bundled config, not tried here"
+    if "santacoder" in text:
+        return "gpt_bigcode config not bundled; seq 4096 is past santacoder's 2048 positions"
+    if ("lora" in text or "nf4" in text) and "2 gpu" in text:
+        return (
+            "LoRA/QLoRA sharded over 2 GPUs (FSDP1): FSDP over a peft/quantized model is not traced"
+        )
+    if "zero-3" in text and "lora" in text:
+        return "LoRA under DeepSpeed ZeRO-3 with CPU offload: ZeRO is formula-only"
     if "fsdp" in text or "deepspeed" in text or "zero" in text:
         return "sharded run whose model or setup is not bundled (FSDP2 is traced, ZeRO by formula)"
     if "generate" in text:
