@@ -389,6 +389,31 @@ for name, flags, expected in [
     case(f"serve-{name}", [*SERVE, *flags], expected)
 case("serve-without-gpu", ["serve", T], "serve needs --gpu")
 case("serve-cnn", ["serve", f"{M}:cnn", "--gpu", "h100"], "not a causal language model")
+# -- recipe tricks (trace/tricks.py, sources/loss.py) -------------------------------------------
+TRICKS = [
+    ("in-backward-accum", ["--optimizer-in-backward", "--grad-accum", "2"], "--grad-accum 1"),
+    ("in-backward-infer", ["--optimizer-in-backward", "--mode", "infer"], "--mode infer has none"),
+    (
+        "in-backward-no-optimizer",
+        ["--optimizer-in-backward", "--optimizer", "none"],
+        "an optimizer",
+    ),
+    ("offload-infer", ["--activation-offload", "--mode", "infer"], "--mode infer has none"),
+    ("loss-chunks-negative", ["--loss-chunks", "-2"], "non-negative integer"),
+    ("loss-chunks-word", ["--loss-chunks", "many"], "--loss-chunks"),
+    ("loss-chunks-and-fused", ["--loss-chunks", "4", "--fused-ce"], "choose one of"),
+    ("dora-without-lora", ["--dora"], "--dora needs --lora"),
+    ("dora-quantized", ["--lora", "4", "--dora", "--quantize", "nf4"], "not modelled"),
+    ("paged-typo", ["--optimizer", "paged_adamw_4bit"], "unknown optimizer"),
+]
+for name, flags, expected in TRICKS:
+    case(f"estimate-{name}", ["estimate", T, *flags], expected)
+for name in ("in-backward-accum", "loss-chunks-and-fused"):
+    flags, expected = next((f, e) for n, f, e in TRICKS if n == name)
+    case(f"plan-{name}", ["plan", T, *CARD, *flags], expected)
+case("estimate-loss-chunks-on-cnn", ["estimate", f"{M}:cnn", "--loss-chunks", "4"], "causal LM")
+case("estimate-fused-ce-on-cnn", ["estimate", f"{M}:cnn", "--fused-ce"], "causal LM")
+case("estimate-packing-on-cnn", ["estimate", f"{M}:cnn", "--packing"], "packs token sequences")
 for command, extra in (("max-batch", CARD), ("plan", CARD), ("measure", ["--device", "cpu"])):
     for name, flags, expected in FLAGS:
         if name.startswith(("gpu", "headroom")) and command == "measure":

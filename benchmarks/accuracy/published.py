@@ -58,6 +58,26 @@ def _profile(row: dict, gpu, counter: str) -> DeviceProfile | None:
     )
 
 
+def knobs(text: str) -> dict:
+    """The ``knobs`` column: ``name=value`` pairs separated by spaces (fine-tuning and recipe
+    tricks; ``;`` stands for ``,`` inside a value).
+
+    >>> knobs("lora_rank=8 lora_targets=q_proj;v_proj double_quant=1 lora_dropout=0.1")
+    {'lora_rank': 8, 'lora_targets': 'q_proj,v_proj', 'double_quant': True, 'lora_dropout': 0.1}
+    """
+    flags = ("double_quant", "packing", "optimizer_in_backward", "activation_offload", "fused_ce")
+    found: dict = {}
+    for pair in text.split():
+        name, _, value = pair.partition("=")
+        if name in flags:
+            found[name] = value == "1"
+        elif value.replace(".", "", 1).isdigit():
+            found[name] = float(value) if "." in value else int(value)
+        else:
+            found[name] = value.replace(";", ",")
+    return found
+
+
 def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
     """The estimate of the row's metric, and its [low, high] range (device-level rows)."""
     recipe = Recipe(
@@ -70,6 +90,7 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
         grad_accum=int(row["grad_accum"]),
         optimizer_impl=row.get("optimizer_impl") or "auto",
         attention=row.get("attention") or None,
+        **knobs(row.get("knobs") or ""),
     )
     counter = row.get("used_counter") or "nvml-v1"
     options = device_options(gpu=row["gpu"], used_counter=counter)
@@ -77,6 +98,8 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
     estimate = estimate_built(resolve(row["model"], recipe), recipe, "cuda", options)
     if row["metric"] == "allocated":
         return estimate.peak.allocated_bytes, None
+    if row["metric"] == "reserved":
+        return estimate.peak.reserved_bytes, None
     return estimate.peak.device_total_bytes, estimate.peak.device_total_range_bytes
 
 
@@ -153,8 +176,16 @@ def _reason(source: dict) -> str:
         return "float8 training or torch.compile: not traced"
     if "sac" in text.split() or "selective op" in text or "op-level sac" in text:
         return "op-level selective activation checkpointing (torchtitan SAC) is not a mode here"
-    if "lora" in text or "4-bit" in text or "nf4" in text:
-        return "LoRA/QLoRA tracing (frozen or quantised base) is formula-only (`vramplan llm`)"
+    if "mixtral" in text:
+        return "Mixtral (MoE expert dispatch) not expressed: no bundled config, not tried here"
+    if "santacoder" in text:
+        return "gpt_bigcode config not bundled; seq 4096 is past santacoder's 2048 positions"
+    if ("lora" in text or "nf4" in text) and "2 gpu" in text:
+        return (
+            "LoRA/QLoRA sharded over 2 GPUs (FSDP1): FSDP over a peft/quantized model is not traced"
+        )
+    if "zero-3" in text and "lora" in text:
+        return "LoRA under DeepSpeed ZeRO-3 with CPU offload: ZeRO is formula-only"
     if "fsdp" in text or "deepspeed" in text or "zero" in text:
         return "sharded run whose model or setup is not bundled (FSDP2 is traced, ZeRO by formula)"
     if "generate" in text:

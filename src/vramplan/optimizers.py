@@ -50,17 +50,63 @@ class Lion(torch.optim.Optimizer):
 
 
 class Adam8bitModel(torch.optim.Optimizer):
-    """The memory layout of bitsandbytes' blockwise 8-bit Adam, without its kernels.
+    """The memory layout of bitsandbytes' AdamW8bit / PagedAdamW8bit / PagedAdamW32bit,
+    without their kernels (bitsandbytes 0.50 ``optim/optimizer.py``,
+    ``Optimizer2State.init_state`` and ``Optimizer8bit.get_state_buffer``).
 
-    Parameters with at least 4096 elements keep two uint8 states plus one fp32 absmax per
-    256-element block for each; smaller ones keep two fp32 states, as bitsandbytes does.
+    8-bit (``bits=8``): parameters with at least ``min_8bit_size`` (4096) elements keep two
+    uint8 states, an fp32 absmax per 256-element block for each, and share the optimizer's
+    two 256-entry fp32 quantization maps (``qmap1``/``qmap2``, copied to the device once);
+    smaller ones keep two fp32 states. 32-bit: two fp32 states. The update is one fused
+    kernel, in place: no temporaries.
+
+    Paged (``paged=True``): states of parameters with at least 1e5 elements are allocated
+    with ``cudaMallocManaged`` (``F.get_paged``), outside PyTorch's caching allocator, and
+    marked ``is_paged``; the driver migrates their pages to the host when the card runs
+    short, so they are not counted in the card's peak (the tracer reports them as host
+    bytes). Smaller states and the absmax stay ordinary device tensors.
     """
 
     block = 256
     min_8bit_size = 4096
+    min_paged_size = 100_000
+    qmap_entries = 256
 
-    def __init__(self, params: Iterable[nn.Parameter], lr: float = _LR) -> None:
+    def __init__(
+        self,
+        params: Iterable[nn.Parameter],
+        lr: float = _LR,
+        bits: int = 8,
+        paged: bool = False,
+    ) -> None:
         super().__init__(params, {"lr": lr})
+        self.bits = bits
+        self.paged = paged
+        self.qmaps: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def _buffer(self, p: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        buffer = torch.zeros_like(p, dtype=dtype)
+        if self.paged and p.numel() >= self.min_paged_size:
+            buffer.is_paged = True  # bitsandbytes marks its managed tensors the same way
+        return buffer
+
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        if self.bits == 8 and p.numel() >= self.min_8bit_size:
+            if self.qmaps is None:  # name2qmap["dynamic"/"udynamic"].to(p.device)
+                self.qmaps = tuple(
+                    torch.zeros(self.qmap_entries, dtype=torch.float32, device=p.device)
+                    for _ in range(2)
+                )
+            blocks = -(-p.numel() // self.block)
+            state["state1"] = self._buffer(p, torch.uint8)
+            state["qmap1"] = self.qmaps[0]
+            state["state2"] = self._buffer(p, torch.uint8)
+            state["qmap2"] = self.qmaps[1]
+            state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+            state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
+        else:
+            state["state1"] = self._buffer(p, torch.float32)
+            state["state2"] = self._buffer(p, torch.float32)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -70,15 +116,7 @@ class Adam8bitModel(torch.optim.Optimizer):
                     continue
                 state = self.state[p]
                 if not state:
-                    if p.numel() >= self.min_8bit_size:
-                        blocks = -(-p.numel() // self.block)
-                        state["state1"] = torch.zeros_like(p, dtype=torch.uint8)
-                        state["state2"] = torch.zeros_like(p, dtype=torch.uint8)
-                        state["absmax1"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-                        state["absmax2"] = torch.zeros(blocks, dtype=torch.float32, device=p.device)
-                    else:
-                        state["state1"] = torch.zeros_like(p, dtype=torch.float32)
-                        state["state2"] = torch.zeros_like(p, dtype=torch.float32)
+                    self._init_state(p, state)
                 p.add_(p.grad, alpha=-group["lr"])  # bitsandbytes updates in place, no temporaries
         return None
 
@@ -131,6 +169,12 @@ MODELLED = {
     "lion": "Lion (one momentum buffer, implemented here)",
     "adam8bit": "8-bit Adam modelled on bitsandbytes' state layout (uint8 states, "
     "fp32 absmax per 256-element block), not bitsandbytes itself",
+    "paged_adamw_8bit": "bitsandbytes' PagedAdamW8bit modelled (8-bit states; those of "
+    "parameters of 1e5+ elements in CUDA managed memory, which the driver pages out to the "
+    "host under pressure: reported as host bytes, not in the card's peak)",
+    "paged_adamw_32bit": "bitsandbytes' PagedAdamW32bit modelled (fp32 states; those of "
+    "parameters of 1e5+ elements in CUDA managed memory, which the driver pages out to the "
+    "host under pressure: reported as host bytes, not in the card's peak)",
 }
 
 
@@ -202,6 +246,10 @@ def build_optimizer(
         return Lion(params)
     if name == "adam8bit":
         return Adam8bitModel(params)
+    if name == "paged_adamw_8bit":
+        return Adam8bitModel(params, bits=8, paged=True)
+    if name == "paged_adamw_32bit":
+        return Adam8bitModel(params, bits=32, paged=True)
     raise ValueError(f"unknown optimizer {name}")
 
 

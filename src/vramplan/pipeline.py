@@ -155,6 +155,7 @@ def estimate_from_trace(
             "input_bytes": sum(
                 a.nbytes for a in trace.allocations if a.category == Component.INPUTS
             ),
+            **({"host_bytes": dict(trace.host_bytes)} if trace.host_bytes else {}),
             "optimizer_state_bytes": sum(
                 a.nbytes
                 for a in trace.allocations

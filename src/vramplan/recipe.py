@@ -27,6 +27,8 @@ OPTIMIZERS = (
     "adafactor",
     "lion",
     "adam8bit",
+    "paged_adamw_8bit",
+    "paged_adamw_32bit",
     "none",
 )
 CHECKPOINTING = ("none", "full")
@@ -103,6 +105,13 @@ class Recipe:
     experts: str | None = None
     target_len: int | None = None
     num_classes: int | None = None
+    # Recipe tricks (trace/tricks.py, sources/loss.py): torchtune's and Liger's memory savers.
+    optimizer_in_backward: bool = False
+    activation_offload: bool = False
+    loss_chunks: int = 0
+    fused_ce: bool = False
+    packing: bool = False
+    dora: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -140,6 +149,7 @@ class Recipe:
         _check_generation(self)
         _check_vision(self)
         _check_model_inputs(self)
+        _check_tricks(self)
 
     @property
     def checkpoint_blocks(self) -> int | None:
@@ -186,6 +196,7 @@ class Recipe:
             **FINETUNE_DEFAULTS,
             **GENERATION_DEFAULTS,
             **VISION_DEFAULTS,
+            **TRICK_DEFAULTS,
         }.items():  # absent unless asked for
             if data[name] == default:
                 data.pop(name)
@@ -381,3 +392,44 @@ def _check_model_inputs(recipe: Recipe) -> None:
             not isinstance(value, int) or isinstance(value, bool) or value <= 0
         ):
             raise UserError(f"{flag} must be a positive integer, got {value}")
+
+
+TRICK_DEFAULTS = {
+    "optimizer_in_backward": False,
+    "activation_offload": False,
+    "loss_chunks": 0,
+    "fused_ce": False,
+    "packing": False,
+    "dora": False,
+}
+
+
+def _check_tricks(recipe: Recipe) -> None:
+    """Validate the recipe tricks (optimizer in backward, offloading, chunked loss, DoRA)."""
+    chunks = recipe.loss_chunks
+    if not isinstance(chunks, int) or isinstance(chunks, bool) or chunks < 0:
+        raise UserError(f"--loss-chunks must be a non-negative integer, got {chunks}")
+    if chunks and recipe.fused_ce:
+        raise UserError("choose one of --loss-chunks and --fused-ce (both replace the loss)")
+    training = {
+        "--optimizer-in-backward": recipe.optimizer_in_backward,
+        "--activation-offload": recipe.activation_offload,
+    }
+    for flag, on in training.items():
+        if on and not recipe.is_training:
+            raise UserError(f"{flag} acts on backward; --mode infer has none")
+    if recipe.optimizer_in_backward:
+        if recipe.grad_accum > 1:
+            raise UserError(
+                "--optimizer-in-backward steps each parameter as its gradient arrives, so "
+                "gradients cannot accumulate: use --grad-accum 1"
+            )
+        if recipe.optimizer == "none":
+            raise UserError("--optimizer-in-backward needs an optimizer")
+    if recipe.dora and not recipe.lora_rank:
+        raise UserError("--dora needs --lora R (DoRA is peft's LoRA with use_dora=True)")
+    if recipe.dora and recipe.quantize != "none":
+        raise UserError(
+            "--dora over --quantize is not modelled (peft dequantizes bitsandbytes' "
+            "own layers, which vramplan models without bitsandbytes)"
+        )

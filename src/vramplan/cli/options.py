@@ -48,7 +48,7 @@ OptimizerOpt = Annotated[
         "--optimizer",
         "-o",
         help="sgd | momentum | adam | adamw | adagrad | rmsprop | adafactor | lion | adam8bit "
-        "| none.",
+        "| paged_adamw_8bit | paged_adamw_32bit | none.",
     ),
 ]
 OptimizerImplOpt = Annotated[
@@ -342,10 +342,64 @@ FINETUNE_OPTIONS = (
 
 def finetune_from_options(options: dict) -> dict:
     """The fine-tuning knobs among a command's options (those it has), by Recipe name."""
-    knobs = {name: options[name] for name in FINETUNE_OPTIONS if name in options}
+    knobs = {name: options[name] for name in FINETUNE_OPTIONS + TRICK_OPTIONS if name in options}
     if "lora" in knobs:
         knobs["lora_rank"] = knobs.pop("lora")
     return knobs
+
+
+# -- recipe tricks (trace/tricks.py, sources/loss.py) ----------------------------------------
+
+OptimizerInBackwardOpt = Annotated[
+    bool,
+    typer.Option(
+        "--optimizer-in-backward",
+        help="Step each parameter in its gradient hook and free its gradient at once "
+        "(torchtune's optimizer_in_bwd); needs --grad-accum 1.",
+    ),
+]
+ActivationOffloadOpt = Annotated[
+    bool,
+    typer.Option(
+        "--activation-offload",
+        help="Saved activations go to host memory in forward and come back in backward "
+        "(torchtune's OffloadActivations); host RAM reported.",
+    ),
+]
+LossChunksOpt = Annotated[
+    int,
+    typer.Option(
+        "--loss-chunks",
+        help="Causal LMs: output head + cross-entropy over N sequence chunks "
+        "(torchtune's CEWithChunkedOutputLoss; 0: the model's own loss).",
+    ),
+]
+FusedCeOpt = Annotated[
+    bool,
+    typer.Option(
+        "--fused-ce",
+        help="Causal LMs: Liger's fused linear cross-entropy (logits never whole, "
+        "gradients made in forward).",
+    ),
+]
+PackingOpt = Annotated[
+    bool,
+    typer.Option(
+        "--packing", help="Packed sequences: batch x seq-len real tokens per step, no padding."
+    ),
+]
+DoraOpt = Annotated[
+    bool, typer.Option("--dora", help="DoRA: peft's LoraConfig(use_dora=True), with --lora R.")
+]
+
+TRICK_OPTIONS = (
+    "optimizer_in_backward",
+    "activation_offload",
+    "loss_chunks",
+    "fused_ce",
+    "packing",
+    "dora",
+)
 
 
 TimeoutOpt = Annotated[

@@ -73,5 +73,7 @@ def host_memory(
         "dataloader_batches": in_flight * batch,
         "pinned_buffers": in_flight * batch if options.pin_memory else 0,
         "offloaded_optimizer_state": (state_bytes or 0) if options.offload_optimizer else 0,
+        # Paged optimizer state and offloaded activations, as traced (trace/offdevice.py).
+        **estimate.details.get("host_bytes", {}),
     }
     return HostMemory(terms, options.limit_bytes)

@@ -31,12 +31,23 @@ FLAG_NAMES = {
     "lora_targets": "--lora-targets",
     "quantize": "--quantize",
     "double_quant": "--double-quant",
+    "optimizer_in_backward": "--optimizer-in-backward",
+    "activation_offload": "--activation-offload",
+    "loss_chunks": "--loss-chunks",
 }
 # Fine-tuning levers (HF decoders only): LoRA r=16 on every linear, and QLoRA (the same
 # adapters over an NF4, double-quantized base), as the QLoRA paper and peft recipes run them.
 LORA = {"lora_rank": 16, "lora_targets": "all-linear"}
 QLORA = {"quantize": "nf4", "double_quant": True, **LORA}
 FINETUNE_LEVERS = ("LoRA", "QLoRA")
+# Shown alone in the table; the first plan combines only the standard levers (each trick
+# would multiply the traces the search runs).
+TRICK_LEVERS = (
+    "paged 8-bit AdamW",
+    "optimizer step in backward",
+    "activation offloading",
+    "chunked loss",
+)
 
 
 @dataclass(frozen=True)
@@ -182,7 +193,61 @@ def _candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]
                 {"note": "drops the momentum buffer; changes the optimisation"},
             )
         )
-    return found + _finetune_candidates(bench, recipe)
+    return found + _trick_candidates(bench, recipe) + _finetune_candidates(bench, recipe)
+
+
+def _trick_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]]:
+    """torchtune's memory savers that keep full training: a paged 8-bit optimizer, the
+    optimizer step in backward, activation offloading, and (causal LMs) a chunked loss."""
+    if not recipe.is_training:
+        return []
+    found = []
+    if recipe.optimizer in ADAM_FAMILY:
+        found.append(
+            (
+                "paged 8-bit AdamW",
+                {"optimizer": "paged_adamw_8bit"},
+                {
+                    "note": "bitsandbytes PagedAdamW8bit: large states in managed memory, paged "
+                    "to the host under pressure"
+                },
+            )
+        )
+    if recipe.grad_accum == 1 and not recipe.optimizer_in_backward and recipe.optimizer != "none":
+        found.append(
+            (
+                "optimizer step in backward",
+                {"optimizer_in_backward": True},
+                {
+                    "note": "one optimizer per parameter: no gradient accumulation, no clipping "
+                    "by the global norm"
+                },
+            )
+        )
+    if not recipe.activation_offload:
+        found.append(
+            (
+                "activation offloading",
+                {"activation_offload": True},
+                {
+                    "note": "saved tensors copied to pinned host memory and back every step "
+                    "(PCIe traffic; overlapped on a side stream)"
+                },
+            )
+        )
+    if (
+        bench.model.startswith("hf:")
+        and not (recipe.loss_chunks or recipe.fused_ce)
+        and bench.estimate(recipe).model.kind == "causal-lm"
+    ):
+        found.append(
+            (
+                "chunked loss",
+                {"loss_chunks": 8},
+                {"note": "torchtune's chunked output head + cross-entropy: no whole fp32 logits"},
+            )
+        )
+    return found
 
 
 def _finetune_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]]:
@@ -219,7 +284,10 @@ def _apply(recipe: Recipe, changes: dict) -> Recipe:
 
 def _accumulate(bench: Workbench, recipe: Recipe, changes: dict) -> dict | None:
     """The fewest micro-batches k (k divides the batch) that make ``changes`` fit while
-    keeping the effective batch."""
+    keeping the effective batch (none with the optimizer step in backward, which cannot
+    accumulate)."""
+    if changes.get("optimizer_in_backward") or recipe.optimizer_in_backward:
+        return None
     batch = recipe.batch_size * recipe.grad_accum
     for k in range(2, recipe.batch_size + 1):
         if recipe.batch_size % k:
@@ -271,6 +339,9 @@ def _result(
         cost["micro_steps_per_optimizer_step"] = changes["grad_accum"]
     if "lora_rank" in changes:
         cost["trainable_parameters"] = estimate.model.trainable_parameters
+    host = estimate.details.get("host_bytes")
+    if host:
+        cost["host_bytes"] = sum(host.values())
     saved = baseline.peak.device_total_bytes - estimate.peak.device_total_bytes
     tensors = baseline.peak.allocated_bytes - estimate.peak.allocated_bytes
     return LeverResult(name, changes, estimate, saved, cost, tensors)
@@ -288,7 +359,7 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
         _result(bench, recipe, name, changes, cost, baseline, base_flops)
         for name, changes, cost in candidates
     ]
-    if recipe.is_training and recipe.batch_size > 1:
+    if recipe.is_training and recipe.batch_size > 1 and not recipe.optimizer_in_backward:
         accumulation = _accumulate(bench, recipe, {})
         if accumulation is None:
             halves = (
@@ -307,6 +378,11 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
         "sharding (ZeRO/FSDP) and CPU offload are not levers in this table: the GPUs-needed "
         "answer covers them (per-rank ZeRO layouts, FSDP2 traced)"
     ]
+    if any(lever.name in TRICK_LEVERS for lever in levers):
+        notes.append(
+            "paged 8-bit AdamW, the optimizer step in backward, activation offloading and the "
+            "chunked loss are traced alone; the first plan combines the standard levers only"
+        )
     plan = (
         None
         if baseline.verdict.status == "fits"
@@ -343,6 +419,7 @@ def _first_plan(
         if "precision" not in lever.changes
         and lever.name != "gradient accumulation"
         and lever.name not in FINETUNE_LEVERS
+        and lever.name not in TRICK_LEVERS
     ]
     for precision in precisions:
         changes = dict(precision.changes) if precision else {}

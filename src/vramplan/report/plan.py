@@ -132,6 +132,8 @@ def render_plan(answer: PlanAnswer, units: str) -> None:
         cost = ", ".join(
             f"{k.replace('_', ' ')}: {v:.0%}"
             if isinstance(v, float)
+            else f"{k.removesuffix('_bytes').replace('_', ' ')}: {fmt(v)}"
+            if k.endswith("_bytes")
             else f"{k.replace('_', ' ')}: {v}"
             for k, v in lever.cost.items()
         )

@@ -25,6 +25,7 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import BuiltModel
+from vramplan.sources.loss import loss_run
 from vramplan.sources.quantized import quantize_linears
 
 _TASK_TYPES = {
@@ -99,6 +100,8 @@ def lora_config(recipe: Recipe, kind: str):
     elif targets is not None:
         targets = "all-linear"
     options = {"r": recipe.lora_rank, "lora_dropout": recipe.lora_dropout}
+    if recipe.dora:
+        options["use_dora"] = True
     if recipe.lora_alpha is not None:
         options["lora_alpha"] = recipe.lora_alpha
     task = _TASK_TYPES.get(kind)
@@ -140,8 +143,9 @@ def apply_freezing(model: nn.Module, freeze: str | None, train_only: str | None)
 
 
 def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> BuiltModel:
-    """The built model quantized, LoRA-wrapped and frozen as the recipe says (unchanged
-    when it says nothing)."""
+    """The built model quantized, LoRA-wrapped and frozen as the recipe says, with the loss
+    and packing the recipe asks for (unchanged when it says nothing)."""
+    apply_loss_and_packing(built, recipe)
     if not wants_finetune(recipe):
         return built
     model = built.model
@@ -169,8 +173,9 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
     if recipe.lora_rank:
         model = wrap_lora(model, recipe, built.kind)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        kind = "DoRA (peft use_dora: a magnitude vector per layer)" if recipe.dora else "LoRA"
         notes.append(
-            f"LoRA r={recipe.lora_rank} through peft on {_target_names(model)}: "
+            f"{kind} r={recipe.lora_rank} through peft on {_target_names(model)}: "
             f"{trainable:,} trainable parameters, base weights frozen"
         )
     if recipe.freeze or recipe.train_only:
@@ -188,3 +193,28 @@ def _target_names(model: nn.Module) -> str:
     if isinstance(targets, (set, list, tuple)):
         return ", ".join(sorted(targets))
     return str(targets)
+
+
+def apply_loss_and_packing(built: BuiltModel, recipe: Recipe) -> None:
+    """``--loss-chunks`` / ``--fused-ce`` replace a causal LM's loss (``sources/loss.py``);
+    ``--packing`` is noted: the batch is already ``batch x seq-len`` real tokens."""
+    if recipe.loss_chunks or recipe.fused_ce:
+        flag = "--fused-ce" if recipe.fused_ce else f"--loss-chunks {recipe.loss_chunks}"
+        if built.kind != "causal-lm":
+            raise UserError(f"{flag} replaces a causal LM's loss; {built.name} is {built.kind}")
+        built.run = loss_run(recipe)
+        built.notes.append(
+            "loss: Liger's fused linear cross-entropy (logits made and turned into gradients "
+            "chunk by chunk in forward; the Triton kernel's in-place writes modelled)"
+            if recipe.fused_ce
+            else f"loss: torchtune's chunked output head + CEWithChunkedOutputLoss over "
+            f"{recipe.loss_chunks} sequence chunks (fp32 upcast per chunk)"
+        )
+    if recipe.packing:
+        if not built.sequence:
+            raise UserError(f"--packing packs token sequences; {built.name} takes none")
+        built.notes.append(
+            "packed sequences: every step holds batch x seq-len real tokens (no padding), as "
+            "traced; attention over the packed documents (flash-attn varlen or position ids) "
+            "costs what causal attention over seq-len costs"
+        )

@@ -74,6 +74,9 @@ class Trace:
     """How many times each ATen op ran, keyed by (phase, op name)."""
     markers: tuple = ()
     """``OpMarker``s of library-backed ops (convolutions), for the device model."""
+    host_bytes: dict[str, int] = field(default_factory=dict)
+    """Peak bytes kept in host RAM instead of on the card, by kind (``trace/offdevice.py``):
+    paged optimizer state, offloaded activations."""
 
     def events(self) -> Iterator[Event]:
         """Allocations and frees interleaved in the order they happened."""

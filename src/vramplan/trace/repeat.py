@@ -541,6 +541,7 @@ def repeat_built(
     trace = replace(
         full,
         op_counts=scaled_counts(t2.op_counts, t3.op_counts, run.length),
+        host_bytes=scaled_counts(t2.host_bytes, t3.host_bytes, run.length),
         module_kinds=dict(stack.kinds),
     )
     note = (

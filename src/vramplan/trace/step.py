@@ -36,8 +36,10 @@ from vramplan.trace.events import Trace
 from vramplan.trace.loop import ITERATIONS, MAX_MICRO_STEPS, run_steps
 from vramplan.trace.materialize import materialize, unique_parameters
 from vramplan.trace.modules import ModuleStack
+from vramplan.trace.offdevice import host_peaks, off_device
 from vramplan.trace.policy import DevicePolicy, entered
 from vramplan.trace.recorder import AllocationRecorder, storage_resizes
+from vramplan.trace.tricks import MIN_OFFLOAD_BYTES, Offloader, step_in_backward
 
 
 def _tag(recorder: AllocationRecorder, tensors, tag: str) -> None:
@@ -55,6 +57,8 @@ def _tag_optimizer_state(recorder: AllocationRecorder, optimizer) -> None:
             continue
         # A 0-dim ``step`` counter lives on the host on CUDA (not capturable, not fused).
         record.tags.add("host" if tensor.dim() == 0 else Component.OPTIMIZER_STATE)
+        if getattr(tensor, "is_paged", False):  # bitsandbytes' managed memory: pages out
+            record.tags.add("paged")
 
 
 @contextlib.contextmanager
@@ -125,9 +129,11 @@ class TracingSession:
         recorder = self.recorder
         recorder.close()
         allocations = categorize(recorder.records, recorder.phases, recorder.event_count)
+        away = {r.id for r in recorder.records if off_device(r)}
         if self.policy.step_scalars_on_host():
-            host = {r.id for r in recorder.records if "host" in r.tags}
-            allocations = tuple(a for a in allocations if a.id not in host)
+            away |= {r.id for r in recorder.records if "host" in r.tags}
+        if away:
+            allocations = tuple(a for a in allocations if a.id not in away)
         return Trace(
             allocations=allocations,
             phases=tuple(recorder.phases),
@@ -136,6 +142,7 @@ class TracingSession:
             module_kinds=dict(self.modules.kinds),
             op_counts=dict(recorder.op_counts),
             markers=tuple(recorder.markers),
+            host_bytes=host_peaks(recorder.records),
         )
 
 
@@ -216,6 +223,28 @@ def prepare_model_for(built: BuiltModel, recipe: Recipe) -> list[str]:
     return notes
 
 
+def _forward_context(
+    policy: DevicePolicy, recipe: Recipe, session: TracingSession, model: nn.Module
+) -> Callable[[], contextlib.AbstractContextManager]:
+    """What each forward pass runs under: the policy's autocast, and with
+    ``--activation-offload`` torchtune's saved-tensor offloading (``trace/tricks.py``)."""
+    if not (recipe.activation_offload and recipe.is_training):
+        return lambda: policy.autocast(recipe)
+    offloader = Offloader(session.recorder, model)
+    session.notes.append(
+        "activation offloading (torchtune's OffloadActivations, streams on): saved tensors "
+        f"of {MIN_OFFLOAD_BYTES}+ bytes copied to host memory in forward, back in backward; "
+        "the output head and the loss stay on the card; host copies reported as host RAM"
+    )
+
+    @contextlib.contextmanager
+    def both() -> Iterator[None]:
+        with policy.autocast(recipe), offloader.forward():
+            yield
+
+    return both
+
+
 def trace_training(
     built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None
 ) -> Trace:
@@ -235,7 +264,14 @@ def trace_training(
         batch = built.make_batch(recipe.batch_size, getattr(torch, recipe.param_dtype_name))
         session.tag_inputs(batch)
         optimizer = None
-        if recipe.is_training:
+        if recipe.is_training and recipe.optimizer_in_backward:
+            session.notes.append(
+                "optimizer step in backward (torchtune's optimizer_in_bwd): one optimizer per "
+                "parameter, stepped from its post-accumulate-grad hook, gradient freed at once"
+            )
+            for each in step_in_backward(params, recipe.optimizer, policy.optimizer_defaults()):
+                _tag_optimizer_state(session.recorder, each)
+        elif recipe.is_training:
             optimizer = build_optimizer(
                 recipe.optimizer, params, policy.optimizer_defaults(), recipe.optimizer_impl
             )
@@ -246,7 +282,7 @@ def trace_training(
             batch,
             optimizer,
             recipe,
-            autocast=lambda: policy.autocast(recipe),
+            autocast=_forward_context(policy, recipe, session, model),
             mark_phase=lambda phase, iteration: (
                 session.recorder.set_phase(phase, iteration),
                 session.modules.reset(),

@@ -1,0 +1,127 @@
+"""The loss of a causal language model computed as recipe libraries compute it, so that the
+``[batch, seq, vocab]`` logits are never whole.
+
+- ``--loss-chunks N``: torchtune's ``CEWithChunkedOutputLoss`` (``torchtune/modules/loss``)
+  with its chunked output head (``TransformerDecoder(num_output_chunks=N)``): the final
+  hidden states split into N chunks along the sequence, the head applied to each chunk,
+  each chunk's logits upcast to fp32 and reduced with ``cross_entropy(reduction="sum")``,
+  the sum divided by the token count. What autograd keeps is what it really keeps for
+  those ops.
+- ``--fused-ce``: Liger-Kernel's ``LigerFusedLinearCrossEntropyFunction``
+  (``liger_kernel/ops/fused_linear_cross_entropy.py``): rows of the flattened hidden states
+  in chunks of ``next_power_of_2(ceil(BT / ceil(V / H)))``; each chunk's logits
+  ``[chunk, V]`` in the input's dtype are overwritten in place by their gradient (the
+  Triton cross-entropy kernel), which is multiplied into ``grad_input`` (``[BT, H]``,
+  kept for backward) and added into ``grad_weight`` (``[V, H]``, only if the head trains).
+  Backward only scales ``grad_input`` in place. The Triton kernel itself does not run on
+  the CPU: its in-place writes are modelled, its register work allocates nothing.
+
+Both replace the model's own loss (the head and loss of ``XForCausalLM.forward``); labels
+are shifted by one as transformers' ``ForCausalLMLoss`` shifts them::
+
+    run = loss_run(Recipe(loss_chunks=8))
+    loss = run(model, {"input_ids": ids, "labels": ids}, True)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn import functional as F  # noqa: N812
+
+from vramplan.recipe import Recipe
+
+IGNORE_INDEX = -100
+
+
+def _parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
+    """The decoder body and the output head of a causal LM (through a peft wrapper)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.get_decoder(), base.get_output_embeddings()
+
+
+def _hidden_and_targets(model: nn.Module, batch: dict) -> tuple[torch.Tensor, nn.Module, Any]:
+    body, head = _parts(model)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    hidden = body(**inputs).last_hidden_state
+    targets = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
+    return hidden, head, targets
+
+
+def chunked_loss(model: nn.Module, batch: dict, chunks: int) -> torch.Tensor:
+    """torchtune's chunked output head and ``CEWithChunkedOutputLoss``."""
+    hidden, head, targets = _hidden_and_targets(model, batch)
+    logits = [head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
+    labels = [t.reshape(-1) for t in targets.chunk(chunks, dim=1)]
+    total = 0.0
+    for logit, label in zip(logits, labels, strict=True):
+        flat = logit.reshape(-1, logit.size(-1))
+        total = total + F.cross_entropy(
+            flat.float(), label, ignore_index=IGNORE_INDEX, reduction="sum"
+        )
+    return total / targets.numel()
+
+
+def liger_chunk_size(rows: int, vocab: int, hidden: int) -> int:
+    """Liger's chunk: ``next_power_of_2(ceil(BT / ceil(V / H)))`` rows.
+
+    >>> liger_chunk_size(8192, 128256, 4096)
+    256
+    """
+    factor = -(-vocab // hidden)
+    return 1 << max(0, (-(-rows // factor)) - 1).bit_length()
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Liger's fused linear cross-entropy: loss and gradients made chunk by chunk in
+    forward, only ``grad_input`` (and ``grad_weight``) kept for backward."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets):
+        rows, width = hidden.shape
+        size = liger_chunk_size(rows, weight.shape[0], width)
+        grad_weight = torch.zeros_like(weight) if weight.requires_grad else None
+        grad_input = torch.zeros_like(hidden)
+        losses = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
+        for start in range(0, rows, size):
+            piece = hidden[start : start + size]
+            logits = piece @ weight.t()  # overwritten in place by its gradient (Triton)
+            grad_input[start : start + size] = logits @ weight
+            if grad_weight is not None:
+                torch.addmm(grad_weight, logits.t().to(piece.dtype), piece, out=grad_weight)
+            del logits
+        loss = losses.sum() / rows
+        ctx.save_for_backward(grad_input, grad_weight)
+        del targets
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        grad_input, grad_weight = ctx.saved_tensors
+        grad_input.mul_(grad_output)  # Liger's element_mul_kernel, in place
+        if grad_weight is not None:
+            grad_weight.mul_(grad_output)
+        return grad_input, grad_weight, None
+
+
+def fused_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """Liger's fused linear cross-entropy over the decoder's last hidden states."""
+    hidden, head, targets = _hidden_and_targets(model, batch)
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return _FusedLinearCrossEntropy.apply(flat, head.weight, targets.reshape(-1))
+
+
+def loss_run(recipe: Recipe) -> Callable[[nn.Module, dict, bool], Any]:
+    """A ``BuiltModel.run`` for a causal LM computing its loss as the recipe says."""
+
+    def run(module: nn.Module, batch: dict, training: bool):
+        if not training:
+            return module(**{k: v for k, v in batch.items() if k != "labels"})
+        if recipe.fused_ce:
+            return fused_loss(module, batch)
+        return chunked_loss(module, batch, recipe.loss_chunks)
+
+    return run
