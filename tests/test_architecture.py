@@ -116,6 +116,9 @@ STAGE_ORDER = (
     ("vramplan.device",),
     ("vramplan.pipeline", "vramplan.analytic"),
     ("vramplan.distributed", "vramplan.measurement"),
+    # training configs (DeepSpeed, accelerate, torchtune, ...) read into a Recipe and a
+    # ParallelLayout: above distributed, whose layouts they build; nothing below reads them
+    ("vramplan.configs",),
     ("vramplan.planner",),
 )
 

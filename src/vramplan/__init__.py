@@ -35,6 +35,7 @@ if TYPE_CHECKING:
         parallel_layout,
         plan,
     )
+    from vramplan.configs import TrainingConfig, read_config
     from vramplan.distributed.layout import ParallelLayout
     from vramplan.measurement.compare import Comparison
     from vramplan.planner.answer import PlanAnswer
@@ -63,6 +64,8 @@ _LAZY = {
     "SearchResult": "vramplan.planner.search",
     "PlanAnswer": "vramplan.planner.answer",
     "Comparison": "vramplan.measurement.compare",
+    "read_config": "vramplan.configs",
+    "TrainingConfig": "vramplan.configs",
 }
 
 
@@ -101,6 +104,8 @@ __all__ = [
     "SearchResult",
     "PlanAnswer",
     "Comparison",
+    "read_config",
+    "TrainingConfig",
     "Component",
     "Phase",
     "UserError",

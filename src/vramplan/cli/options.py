@@ -297,3 +297,26 @@ TimeoutOpt = Annotated[
         help="Seconds each call into your code (a factory, a traced step) may take.",
     ),
 ]
+
+
+# -- the parallel layout (distributed/options.py) --------------------------------------------
+
+LAYOUT_OPTIONS = (
+    "fsdp",
+    "world_size",
+    "shard",
+    "reshard_after_forward",
+    "zero",
+    "dp",
+    "offload_optimizer",
+    "offload_params",
+    "tp",
+    "sp",
+    "pp",
+    "microbatches",
+)
+
+
+def layout_from_options(options: dict) -> vramplan.ParallelLayout:
+    """The ParallelLayout a command's layout options ask for (read by name from ``options``)."""
+    return vramplan.parallel_layout(**{name: options[name] for name in LAYOUT_OPTIONS})
