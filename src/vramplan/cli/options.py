@@ -55,7 +55,9 @@ CheckpointingOpt = Annotated[
     str,
     typer.Option(
         "--checkpointing",
-        help="none | full | N (recompute all, or only the first N, repeated blocks in backward).",
+        help="none | full | N | every:N | op: recompute all repeated blocks in backward, the "
+        "first N, every Nth (torchtitan's layer-level selective), or only what torchtitan's "
+        "op-level selective policy does not save (matmuls, attention).",
     ),
 ]
 GradAccum = Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")]

@@ -18,6 +18,7 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel
+from vramplan.sources.blocks import checkpoint_options, chosen_blocks
 from vramplan.sources.configs import load_config_dict, validate_config
 
 DEFAULT_SEQ_LEN = 512
@@ -180,15 +181,18 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
         inputs = {k: v for k, v in batch.items() if k != "labels" or kind == "seq2seq"}
         return module(**inputs)
 
-    def enable_checkpointing(module: nn.Module, limit: int | None) -> int:
-        non_reentrant = {"use_reentrant": False}
+    def enable_checkpointing(
+        module: nn.Module, limit: int | None, every: int = 1, ops: bool = False
+    ) -> int:
+        non_reentrant = checkpoint_options(ops)
         if hasattr(module, "activation_checkpointing_enable"):  # transformers >= 5
             module.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
         else:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
         layers = checkpoint_layers(module)
-        if limit is not None:  # selective: only the first ``limit`` layers recompute
-            for layer in layers[limit:]:
+        chosen = {id(layer) for layer in chosen_blocks(layers, limit, every)}
+        for layer in layers:  # selective: only the chosen layers recompute
+            if id(layer) not in chosen:
                 layer.gradient_checkpointing = False
         return len(layers)
 
