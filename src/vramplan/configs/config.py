@@ -56,7 +56,9 @@ OPTIONS = ("model", *RECIPE_OPTIONS, *LAYOUT_OPTIONS)
 SHARDINGS = ("fsdp", "world_size", "zero")
 """The data-parallel schemes, one at a time: a flag naming one replaces the config's."""
 SHARDING_DETAILS = ("shard", "reshard_after_forward", "dp", "offload_optimizer", "offload_params")
-BATCH_FACTORS = ("batch_size", "grad_accum", "dp", "fsdp", "world_size")
+BATCH_FACTORS = ("batch_size", "grad_accum")
+"""Flags that ask "what if" about the batch: the file's total batch no longer binds them (a
+flag changing the GPU count is still checked against it, as DeepSpeed would at launch)."""
 
 
 @dataclass(frozen=True)

@@ -153,6 +153,8 @@ def read_torchtitan(fields: Fields) -> str | None:
         else:
             fields.honour("optimizer.name", "optimizer", optimizer, why)
     for path, reason in _NOT_MODELLED.items():
-        if fields.peek(path) not in (None, False, 1, [], ""):
+        value = fields.peek(path)
+        unset = value in (None, False, [], "") or (type(value) is int and value == 1)
+        if not unset:
             fields.note(path, reason)
     return model
