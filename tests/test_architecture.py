@@ -20,6 +20,7 @@ UPPER = (
     "vramplan.session",
     "vramplan.api",
     "vramplan.quick",
+    "vramplan.integrations",
 )
 
 

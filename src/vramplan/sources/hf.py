@@ -148,9 +148,26 @@ def build_hf(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     except Exception as exc:  # a config transformers accepts but cannot build
         reason = " ".join(str(exc).split())
         raise UserError(f"cannot build {model_class.__name__} from {label}: {reason}") from None
+    return wrap_hf_model(model, recipe, f"hf:{label}")
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (transformers not imported
+    when it was not already)."""
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    return pretrained is not None and isinstance(model, pretrained)
+
+
+def wrap_hf_model(model: nn.Module, recipe: Recipe, built_name: str) -> BuiltModel:
+    """A transformers model (a built one, or the user's own, on the meta device) with a
+    batch that fits its head, its loss as transformers computes it, and transformers' own
+    gradient checkpointing."""
+    config = model.config
     kind = _kind(model)
     vocab = getattr(config, "vocab_size", None)
-    built_name = f"hf:{label}"
 
     if kind == "image-classification":
         size = getattr(config, "image_size", DEFAULT_IMAGE_SIZE)

@@ -1,0 +1,128 @@
+"""The Trainer integration: a Trainer is estimated as the same workload given as flags,
+and the batch it is given is the largest that fits, with no real step run."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+import vramplan
+
+transformers = pytest.importorskip("transformers")
+
+from vramplan.integrations.transformers import (  # noqa: E402
+    estimate_evaluation,
+    estimate_trainer,
+    fit_batch_size,
+    training_args_config,
+)
+
+TINY = dict(  # two blocks of width 64 over a 4096-token vocabulary
+    vocab_size=4096,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=128,
+)
+SEQ = 128
+
+
+@pytest.fixture
+def llama_config(tmp_path):
+    path = tmp_path / "config.json"
+    # the Trainer sets use_cache=False on the model it trains; the config file says so too
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], **TINY}
+    config["use_cache"] = False
+    path.write_text(json.dumps(config))
+    return path
+
+
+def trainer_for(tmp_path, **args):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+        arguments = transformers.TrainingArguments(
+            output_dir=str(tmp_path / "out"), use_cpu=True, report_to=[], **args
+        )
+    sample = {"input_ids": torch.zeros(SEQ, dtype=torch.long)}
+    sample["labels"] = sample["input_ids"]
+    return transformers.Trainer(model=model, args=arguments, train_dataset=[sample] * 64)
+
+
+def test_training_arguments_are_read(tmp_path):
+    trainer = trainer_for(
+        tmp_path,
+        per_device_train_batch_size=3,
+        gradient_accumulation_steps=4,
+        bf16=True,
+        gradient_checkpointing=True,
+        optim="adamw_bnb_8bit",
+        torch_compile=False,
+        seed=7,
+        per_device_eval_batch_size=16,
+    )
+    config = training_args_config(trainer.args, seq_len=SEQ)
+    recipe = config.recipe()
+    assert (recipe.batch_size, recipe.grad_accum, recipe.seq_len) == (3, 4, SEQ)
+    assert (recipe.precision, recipe.checkpointing, recipe.optimizer) == (
+        "amp-bf16",
+        "full",
+        "adam8bit",
+    )
+    assert "seed" in config.ignored  # changed from its default, not modelled: named
+    assert any(n.startswith("per_device_eval_batch_size") for n in config.notes)
+
+
+def test_a_trainer_gives_the_flags_estimate(tmp_path, llama_config):
+    trainer = trainer_for(
+        tmp_path,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        bf16=True,
+        gradient_checkpointing=True,
+    )
+    from_trainer = estimate_trainer(trainer, seq_len=SEQ, gpu="t4").to_json()
+    flags = vramplan.Recipe(
+        batch_size=2, seq_len=SEQ, grad_accum=2, precision="amp-bf16", checkpointing="full"
+    )
+    from_flags = vramplan.Session(f"hf:{llama_config}", gpu="t4").estimate(flags).to_json()
+    assert from_trainer["peak"] == from_flags["peak"]
+    assert from_trainer["components"] == from_flags["components"]
+    # the user's model was traced on a meta copy: its weights are untouched and real
+    assert all(p.device.type == "cpu" for p in trainer.model.parameters())
+
+
+def test_evaluation_is_a_no_grad_step_at_the_eval_batch(tmp_path):
+    trainer = trainer_for(tmp_path, per_device_eval_batch_size=4, bf16=True)
+    est = estimate_evaluation(trainer.model, trainer.args, seq_len=SEQ, gpu="t4")
+    assert (est.recipe.mode, est.recipe.batch_size, est.recipe.optimizer) == (
+        "infer",
+        4,
+        "none",
+    )
+    assert est.components["gradients"] == 0
+
+
+def test_the_trainer_gets_the_largest_batch_that_fits(tmp_path, llama_config, run_cli):
+    trainer = trainer_for(tmp_path, per_device_train_batch_size=1, bf16=True)
+    card = ["--gpu-memory", "800MiB", "--headroom", "0"]
+    answer = fit_batch_size(trainer, seq_len=SEQ, gpu_memory="800MiB", headroom=0.0)
+    batch = answer.value
+    assert batch > 1
+    assert trainer.args.per_device_train_batch_size == batch
+    assert trainer.get_train_dataloader().batch_sampler.batch_size == batch  # what train() uses
+    flags = ["--seq-len", str(SEQ), "--precision", "amp-bf16", *card, "--json"]
+    for size, status in ((batch, "fits"), (batch + 1, "tight")):
+        code, out, _ = run_cli("estimate", f"hf:{llama_config}", "-b", str(size), *flags)
+        assert json.loads(out)["verdict"]["status"] == status, size
+
+
+def test_a_trainer_without_a_sequence_length_is_asked_for_one(tmp_path):
+    trainer = trainer_for(tmp_path)
+    with pytest.raises(vramplan.UserError, match="seq_len"):
+        estimate_trainer(trainer, gpu="t4")
