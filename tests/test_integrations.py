@@ -126,3 +126,34 @@ def test_a_trainer_without_a_sequence_length_is_asked_for_one(tmp_path):
     trainer = trainer_for(tmp_path)
     with pytest.raises(vramplan.UserError, match="seq_len"):
         estimate_trainer(trainer, gpu="t4")
+
+
+# -- accelerate: find_executable_batch_size starts from the predicted batch -------------------
+
+
+def mlp() -> torch.nn.Module:
+    blocks = [torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.ReLU()) for _ in range(3)]
+    return torch.nn.Sequential(*blocks, torch.nn.Linear(512, 10))
+
+
+def test_the_accelerate_decorator_starts_from_the_predicted_batch():
+    pytest.importorskip("accelerate")
+    from vramplan.integrations.accelerate import find_executable_batch_size
+
+    model, tried, shape = mlp(), [], (256, 512)  # one sample: 256 rows of 512 features
+    one = vramplan.Session(model, gpu="t4").estimate(batch_size=1, input_shape=shape)
+    card = dict(gpu_memory=f"{one.verdict.compared_bytes // 2**20 + 24}MiB", headroom=0.0)
+
+    @find_executable_batch_size(model=model, input_shape=shape, **card)
+    def train(batch_size, label):
+        tried.append(batch_size)
+        if len(tried) == 1:  # the real GPU disagrees once: accelerate's fallback takes over
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2 MiB")
+        return label
+
+    assert train("done") == "done"
+    first = tried[0]
+    assert first > 1 and first == train.predicted and tried[1] == int(first * 0.9)
+    session = vramplan.Session(model, **card)
+    at = lambda n: session.estimate(batch_size=n, input_shape=shape).verdict.status  # noqa: E731
+    assert at(first) == "fits" and at(first + 1) != "fits"

@@ -35,9 +35,7 @@ def training_args_config(args: Any, seq_len: int | None = None) -> TrainingConfi
     """What ``args`` (a ``TrainingArguments``, or trl's ``SFTConfig``) asks of the step."""
     if not hasattr(args, "to_dict") or not hasattr(args, "per_device_train_batch_size"):
         raise UserError(f"expected transformers' TrainingArguments, got {type(args).__name__}")
-    config = read_training_args(
-        args.to_dict(), _defaults(args), world_size=max(1, args.world_size)
-    )
+    config = read_training_args(args.to_dict(), _defaults(args), world_size=max(1, args.world_size))
     if seq_len is not None:
         config = config.with_flags(seq_len=seq_len)
     if "seq_len" not in config.options:
