@@ -157,3 +157,61 @@ def test_the_accelerate_decorator_starts_from_the_predicted_batch():
     session = vramplan.Session(model, **card)
     at = lambda n: session.estimate(batch_size=n, input_shape=shape).verdict.status  # noqa: E731
     assert at(first) == "fits" and at(first + 1) != "fits"
+
+
+# -- Lightning: a BatchSizeFinder that traces instead of trying ---------------------------------
+
+
+def test_the_lightning_finder_sets_the_largest_batch_that_fits():
+    L = pytest.importorskip("lightning")
+    from vramplan.integrations.lightning import VramplanBatchSizeFinder, lightning_step
+
+    class Net(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.batch_size = 2
+            self.layers = mlp()
+
+        def training_step(self, batch, index):
+            x, y = batch
+            loss = torch.nn.functional.cross_entropy(self.layers(x).flatten(0, 1), y.flatten())
+            self.log("loss", loss)
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+        def train_dataloader(self):
+            x, y = torch.randn(32, 256, 512), torch.randint(0, 10, (32, 256))
+            return torch.utils.data.DataLoader(
+                torch.utils.data.TensorDataset(x, y), batch_size=self.batch_size
+            )
+
+    net = Net()
+    step = lambda n: vramplan.estimate_step(  # noqa: E731
+        lightning_step,
+        net,
+        (torch.empty(n, 256, 512), torch.empty(n, 256, dtype=torch.long)),
+        precision="amp-bf16",
+        **card,
+    )
+    card = dict(gpu="t4")
+    card = dict(gpu_memory=f"{step(1).verdict.compared_bytes // 2**20 + 12}MiB", headroom=0.0)
+    finder = VramplanBatchSizeFinder(**card)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=1,
+        callbacks=[finder],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        precision="bf16-mixed",
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(net)
+    batch = finder.optimal_batch_size
+    assert batch > 1 and net.batch_size == batch
+    assert trainer.train_dataloader.batch_size == batch  # what fit() trained with
+    assert step(batch).verdict.status == "fits" and step(batch + 1).verdict.status != "fits"
