@@ -473,3 +473,24 @@ def test_a_gpu_count_that_breaks_the_total_batch_is_refused(run_cli, tmp_path, l
     code, out, err = run_cli("estimate", llama, "--config", str(ds), "--dp", "2", "--json")
     assert code == 2 and out == "" and len(err.strip().splitlines()) == 1
     assert "train_batch_size 16 is not micro-batch 2 × accumulation 2 × 2 GPUs" in err
+
+
+# -- torchtitan's selective checkpointing, from the flags ---------------------------------------
+
+
+def test_selective_checkpointing_modes(tmp_path):
+    path = write(tmp_path, "config.json", {**LLAMA, "num_hidden_layers": 4})
+    session = vramplan.Session(f"hf:{path}", gpu="t4")
+    saved = {
+        mode: session.estimate(
+            batch_size=4, seq_len=64, precision="amp-bf16", checkpointing=mode
+        ).components["activations"]
+        for mode in ("none", "op", "full", "every:2", "2")
+    }
+    # the op policy keeps matmul and attention outputs: between keeping all and keeping none
+    assert saved["none"] > saved["op"] > saved["full"]
+    # every second of four identical blocks recomputes as many blocks as the first two do
+    assert saved["every:2"] == saved["2"] < saved["none"]
+    assert vramplan.Recipe(checkpointing="every:1").checkpointing == "full"
+    with pytest.raises(vramplan.UserError, match="every:N"):
+        vramplan.Recipe(checkpointing="every:0")
