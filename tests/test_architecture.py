@@ -20,6 +20,7 @@ UPPER = (
     "vramplan.session",
     "vramplan.api",
     "vramplan.quick",
+    "vramplan.integrations",
 )
 
 
@@ -116,6 +117,9 @@ STAGE_ORDER = (
     ("vramplan.device",),
     ("vramplan.pipeline", "vramplan.analytic"),
     ("vramplan.distributed", "vramplan.measurement"),
+    # training configs (DeepSpeed, accelerate, torchtune, ...) read into a Recipe and a
+    # ParallelLayout: above distributed, whose layouts they build; nothing below reads them
+    ("vramplan.configs",),
     ("vramplan.planner",),
 )
 

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
         plan,
         serve,
     )
+    from vramplan.configs import TrainingConfig, read_config
     from vramplan.distributed.layout import ParallelLayout
     from vramplan.measurement.compare import Comparison
     from vramplan.planner.answer import PlanAnswer
@@ -71,6 +72,8 @@ _LAZY = {
     # serving capacity (planner/serving.py)
     "serve": "vramplan.api",
     "ServingPlan": "vramplan.planner.serving",
+    "read_config": "vramplan.configs",
+    "TrainingConfig": "vramplan.configs",
 }
 
 
@@ -114,6 +117,8 @@ __all__ = [
     "Comparison",
     "serve",
     "ServingPlan",
+    "read_config",
+    "TrainingConfig",
     "Component",
     "Phase",
     "UserError",

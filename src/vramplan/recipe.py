@@ -31,7 +31,7 @@ OPTIMIZERS = (
     "paged_adamw_32bit",
     "none",
 )
-CHECKPOINTING = ("none", "full")
+CHECKPOINTING = ("none", "full", "op")
 OPTIMIZER_IMPLS = ("auto", "foreach", "for-loop", "fused")
 """How ``torch.optim`` runs the step: ``auto`` as the emulated PyTorch does by default
 (foreach on CUDA since 2.0, a per-parameter loop before), or the one the user forces."""
@@ -51,11 +51,22 @@ def _choice(value: str, allowed: tuple[str, ...], what: str) -> str:
 
 
 def _checkpointing(value: str | int) -> str:
-    """``none``, ``full``, or a count of leading blocks to recompute (selective)."""
+    """``none``, ``full``, a count of leading blocks to recompute (selective), ``every:N``
+    (every Nth block, torchtitan's layer-level selective checkpointing) or ``op``
+    (op-level selective: each block saves the outputs of torchtitan's op list).
+
+    >>> _checkpointing("every:2"), _checkpointing("op"), _checkpointing("every:1")
+    ('every:2', 'op', 'full')
+    """
     text = str(value).strip().lower()
     if text.isdigit():
         return "none" if int(text) == 0 else str(int(text))
-    return _choice(text, CHECKPOINTING, "checkpointing (none, full or a block count)")
+    head, sep, count = text.partition(":")
+    if sep and head == "every":
+        if not count.isdigit() or int(count) == 0:
+            raise UserError(f"--checkpointing {value}: every:N needs a positive block count")
+        return "full" if int(count) == 1 else f"every:{int(count)}"
+    return _choice(text, CHECKPOINTING, "checkpointing (none, full, a block count, every:N or op)")
 
 
 @dataclass(frozen=True)
@@ -153,10 +164,34 @@ class Recipe:
 
     @property
     def checkpoint_blocks(self) -> int | None:
-        """How many leading blocks to recompute: ``None`` for all (``full``), 0 for none."""
-        if self.checkpointing == "full":
+        """How many leading blocks may recompute: ``None`` for all (``full``, ``every:N``,
+        ``op``), 0 for none."""
+        if self.checkpointing in ("full", "op") or self.checkpointing.startswith("every:"):
             return None
         return 0 if self.checkpointing == "none" else int(self.checkpointing)
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Of the blocks that may recompute, every Nth does (``every:N``; else 1)."""
+        head, _, count = self.checkpointing.partition(":")
+        return int(count) if head == "every" else 1
+
+    @property
+    def checkpoint_ops(self) -> bool:
+        """Op-level selective checkpointing: a block saves the outputs of the ops on
+        torchtitan's list and recomputes the rest."""
+        return self.checkpointing == "op"
+
+    def recomputed_blocks(self, blocks: int) -> int:
+        """How many of ``blocks`` repeated blocks recompute in backward.
+
+        >>> Recipe(checkpointing="every:2").recomputed_blocks(5)
+        2
+        """
+        if self.checkpointing == "none" or not self.is_training:
+            return 0
+        limit = self.checkpoint_blocks
+        return min(blocks, limit if limit is not None else blocks) // self.checkpoint_every
 
     @property
     def is_training(self) -> bool:

@@ -31,6 +31,7 @@ def _register_commands() -> None:
     from vramplan.cli import (
         analytic_cmd,  # noqa: F401
         calibrate_cmd,  # noqa: F401
+        check_cmd,  # noqa: F401
         estimate_cmd,  # noqa: F401
         gpus_cmd,  # noqa: F401
         measure_cmd,  # noqa: F401

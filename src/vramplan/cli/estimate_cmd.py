@@ -9,8 +9,8 @@ from typing import Annotated
 
 import typer
 
-import vramplan
 from vramplan.cli.app import app
+from vramplan.cli.config_options import ConfigOpt, OptionalModel, config_lines, with_config
 from vramplan.cli.options import (
     ActivationOffloadOpt,
     AllocConfOpt,
@@ -45,7 +45,6 @@ from vramplan.cli.options import (
     LoraTargetsOpt,
     LossChunksOpt,
     MicrobatchesOpt,
-    Model,
     ModeOpt,
     MoeRoutingOpt,
     NewTokensOpt,
@@ -82,6 +81,7 @@ from vramplan.cli.options import (
     UsedCounterOpt,
     WorldSizeOpt,
     ZeroOpt,
+    layout_from_options,
     recipe_from_options,
     session_from_options,
 )
@@ -97,7 +97,9 @@ from vramplan.report.render import check_units, emit
 
 @app.command("estimate")
 def estimate_command(
-    model: Model,
+    ctx: typer.Context,
+    model: OptionalModel = None,
+    config: ConfigOpt = None,
     batch_size: BatchSize = 1,
     seq_len: SeqLen = None,
     input_shape: InputShape = None,
@@ -178,26 +180,15 @@ def estimate_command(
 ) -> int:
     """Trace one training (or inference) step with fake tensors and break down its peak."""
     check_units(units)
-    recipe = recipe_from_options(locals())
+    options, training_config = with_config(locals(), ctx)
+    recipe = recipe_from_options(options)
     check_report_paths(html, plot)
-    layout = vramplan.parallel_layout(
-        fsdp=fsdp,
-        world_size=world_size,
-        shard=shard,
-        reshard_after_forward=reshard_after_forward,
-        zero=zero,
-        dp=dp,
-        offload_optimizer=offload_optimizer,
-        offload_params=offload_params,
-        tp=tp,
-        sp=sp,
-        pp=pp,
-        microbatches=microbatches,
-    )
+    layout = layout_from_options(options)
     expected = len(curve_sizes(recipe.batch_size)) if html else 1
     with trace_progress(progress_wanted(json_output, quiet), expected=expected) as progress:
-        session = session_from_options(locals(), progress=progress)
+        session = session_from_options(options, progress=progress)
         result = session.estimate(recipe, layout=layout)
+        result = result.with_changes(notes=(*config_lines(training_config, options), *result.notes))
         points = session.batch_curve_points(result, layout)
         curve = batch_curve_for(result, points) if html else None
     write_reports(result, html=html, plot=plot, units=units, batch_curve=curve)

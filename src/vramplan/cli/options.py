@@ -63,7 +63,9 @@ CheckpointingOpt = Annotated[
     str,
     typer.Option(
         "--checkpointing",
-        help="none | full | N (recompute all, or only the first N, repeated blocks in backward).",
+        help="none | full | N | every:N | op: recompute all repeated blocks in backward, the "
+        "first N, every Nth (torchtitan's layer-level selective), or only what torchtitan's "
+        "op-level selective policy does not save (matmuls, attention).",
     ),
 ]
 GradAccum = Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")]
@@ -519,3 +521,24 @@ NumClassesOpt = Annotated[
 ]
 
 MODEL_INPUT_OPTIONS = ("attention", "moe_routing", "experts", "target_len", "num_classes")
+# -- the parallel layout (distributed/options.py) --------------------------------------------
+
+LAYOUT_OPTIONS = (
+    "fsdp",
+    "world_size",
+    "shard",
+    "reshard_after_forward",
+    "zero",
+    "dp",
+    "offload_optimizer",
+    "offload_params",
+    "tp",
+    "sp",
+    "pp",
+    "microbatches",
+)
+
+
+def layout_from_options(options: dict) -> vramplan.ParallelLayout:
+    """The ParallelLayout a command's layout options ask for (read by name from ``options``)."""
+    return vramplan.parallel_layout(**{name: options[name] for name in LAYOUT_OPTIONS})

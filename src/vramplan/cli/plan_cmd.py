@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from vramplan.cli.app import app
+from vramplan.cli.config_options import ConfigOpt, OptionalModel, config_lines, with_config
 from vramplan.cli.options import (
     ActivationOffloadOpt,
     AllocConfOpt,
@@ -41,7 +42,6 @@ from vramplan.cli.options import (
     LoraOpt,
     LoraTargetsOpt,
     LossChunksOpt,
-    Model,
     ModeOpt,
     MoeRoutingOpt,
     NewTokensOpt,
@@ -69,6 +69,7 @@ from vramplan.cli.options import (
     recipe_from_options,
     session_from_options,
 )
+from vramplan.report.config import render_config_lines
 from vramplan.report.outputs import batch_curve_for, check_report_paths, write_reports
 from vramplan.report.plan import plan_rows, render_max_batch, render_plan
 from vramplan.report.progress import progress_wanted, trace_progress
@@ -93,7 +94,9 @@ OffloadOpt = Annotated[
 
 @app.command("max-batch")
 def max_batch_command(
-    model: Model,
+    ctx: typer.Context,
+    model: OptionalModel = None,
+    config: ConfigOpt = None,
     gpu: GpuOpt = None,
     gpu_memory: GpuMemoryOpt = None,
     search: SearchOpt = "batch-size",
@@ -149,20 +152,25 @@ def max_batch_command(
 ) -> int:
     """The largest batch (or --search seq-len: the longest context) that fits the card."""
     check_units(units)
-    recipe = recipe_from_options(locals())
+    options, training_config = with_config(locals(), ctx)
+    recipe = recipe_from_options(options)
     with trace_progress(progress_wanted(json_output, quiet)) as progress:
-        session = session_from_options(locals(), progress=progress)
+        session = session_from_options(options, progress=progress)
         result = session.max_batch(recipe, search=search)
+    lines = config_lines(training_config, options)
     if json_output:
-        print_json(result.to_json())
+        print_json({**result.to_json(), **({"config": list(lines)} if lines else {})})
     else:
+        render_config_lines(lines)
         render_max_batch(result, units)
     return 0
 
 
 @app.command("plan")
 def plan_command(
-    model: Model,
+    ctx: typer.Context,
+    model: OptionalModel = None,
+    config: ConfigOpt = None,
     gpu: GpuOpt = None,
     gpu_memory: GpuMemoryOpt = None,
     batch_size: BatchSize = 1,
@@ -219,10 +227,11 @@ def plan_command(
     """Rank the levers that cut memory and give the first plan that fits; without --gpu,
     judge every catalog GPU."""
     check_units(units)
-    recipe = recipe_from_options(locals())
+    options, training_config = with_config(locals(), ctx)
+    recipe = recipe_from_options(options)
     check_report_paths(html, plot)
     with trace_progress(progress_wanted(json_output, quiet)) as progress:
-        session = session_from_options(locals(), progress=progress)
+        session = session_from_options(options, progress=progress)
         answer = session.plan(
             recipe,
             host_memory=host_memory_limit,
@@ -241,8 +250,10 @@ def plan_command(
             batch_curve=curve,
             plan=plan_rows(answer, units),
         )
+    lines = config_lines(training_config, options)
     if json_output:
-        print_json(answer.to_json())
+        print_json({**answer.to_json(), **({"config": list(lines)} if lines else {})})
     else:
+        render_config_lines(lines)
         render_plan(answer, units)
     return 0

@@ -164,8 +164,7 @@ def _cast_copies(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> tu
     if not recipe.uses_autocast or layout.shard == "none":
         return 0, 0
     total = facts.parameters * 2
-    blocks = recipe.checkpoint_blocks
-    recomputed = 1.0 if blocks is None else min(blocks, facts.layers) / max(1, facts.layers)
+    recomputed = recipe.recomputed_blocks(facts.layers) / max(1, facts.layers)
     saved = int(total * (1 - recomputed)) if recipe.is_training else 0
     return saved, total - saved
 

@@ -34,9 +34,10 @@ class BuiltModel:
     make_batch: Callable[[int, torch.dtype], Batch]
     run: Callable[[nn.Module, Batch, bool], Any]
     default_input_shape: tuple[int, ...] = ()
-    enable_checkpointing: Callable[[nn.Module, int | None], int] | None = None
-    """Recompute the first N blocks (all when N is None) in backward; returns the number
-    of checkpointable blocks."""
+    enable_checkpointing: Callable[..., int] | None = None
+    """``(model, limit, every=1, ops=False)``: recompute the first ``limit`` blocks (all
+    when None), every ``every``-th of them, with ``ops`` under torchtitan's op-level
+    policy, in backward; returns the number of checkpointable blocks."""
     notes: list[str] = field(default_factory=list)
     repeat_blocks: bool = True
     """Trace a run of identical blocks once and repeat it (``trace/repeat.py``) where that

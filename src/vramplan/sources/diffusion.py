@@ -118,8 +118,8 @@ def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltMod
         predicted = predicted[:, : noise.shape[1]]
         return nn.functional.mse_loss(predicted.float(), noise.float())
 
-    def checkpoint(module: nn.Module, limit: int | None) -> int:
-        if limit is not None:
+    def checkpoint(module: nn.Module, limit: int | None, every: int = 1, ops: bool = False) -> int:
+        if limit is not None or every != 1 or ops:
             raise UserError(
                 "diffusers models recompute all their blocks or none: use --checkpointing full"
             )

@@ -20,6 +20,7 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel
+from vramplan.sources.blocks import checkpoint_options, chosen_blocks
 from vramplan.sources.configs import WIDTH_KEYS, load_config_dict, validate_config
 from vramplan.sources.generation import generator_for
 from vramplan.sources.hf_attention import NOTES, REGISTERED, attention_name, check_attention
@@ -189,9 +190,25 @@ def build_hf(
         model = _remote_model(transformers, label, data, device)
     else:
         model = _local_model(transformers, label, data, device, recipe)
+    return wrap_hf_model(model, recipe, f"hf:{label}")
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers ``PreTrainedModel`` (transformers not imported
+    when it was not already)."""
+    import sys
+
+    transformers = sys.modules.get("transformers")
+    pretrained = getattr(transformers, "PreTrainedModel", None) if transformers else None
+    return pretrained is not None and isinstance(model, pretrained)
+
+
+def wrap_hf_model(model: nn.Module, recipe: Recipe, built_name: str) -> BuiltModel:
+    """A transformers model (a built one, or the user's own, on the meta device) with a
+    batch built from its config, its loss as transformers computes it, and transformers'
+    own gradient checkpointing."""
     config = model.config
     kind = model_kind(model)
-    built_name = f"hf:{label}"
     inputs = example_inputs(model, kind, recipe, built_name)
 
     def run(module: nn.Module, batch: Batch, training: bool):
@@ -202,15 +219,18 @@ def build_hf(
             keep_labels = kind in ENCODER_DECODER  # the decoder reads them
             return module(**{k: v for k, v in batch.items() if k != "labels" or keep_labels})
 
-    def enable_checkpointing(module: nn.Module, limit: int | None) -> int:
-        non_reentrant = {"use_reentrant": False}
+    def enable_checkpointing(
+        module: nn.Module, limit: int | None, every: int = 1, ops: bool = False
+    ) -> int:
+        non_reentrant = checkpoint_options(ops)
         if hasattr(module, "activation_checkpointing_enable"):  # transformers >= 5
             module.activation_checkpointing_enable(activation_checkpointing_kwargs=non_reentrant)
         else:
             module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=non_reentrant)
         layers = checkpoint_layers(module)
-        if limit is not None:  # selective: only the first ``limit`` layers recompute
-            for layer in layers[limit:]:
+        chosen = {id(layer) for layer in chosen_blocks(layers, limit, every)}
+        for layer in layers:  # selective: only the chosen layers recompute
+            if id(layer) not in chosen:
                 layer.gradient_checkpointing = False
         return len(layers)
 

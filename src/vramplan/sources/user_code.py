@@ -167,6 +167,14 @@ def module_source(
     structural copy on the meta device, for a real run the module itself."""
     if not isinstance(model, nn.Module):
         raise UserError(f"{name} did not return an nn.Module (got {type(model).__name__})")
+    from vramplan.sources.finetune import apply_finetune
+    from vramplan.sources.hf import is_hf_model, wrap_hf_model
+
+    if example_batch is None and loss_fn is None and is_hf_model(model):
+        # a transformers model steps as the hf: source steps it: its own loss, batch, and
+        # gradient checkpointing
+        built = wrap_hf_model(meta_copy(model) if copy_to_meta else model, recipe, name)
+        return apply_finetune(built, recipe, "meta" if copy_to_meta else "real")
     first = _first_layer(model)
     token_ids = isinstance(first, nn.Embedding)
     shape = None if example_batch is not None else _default_shape(model, recipe)
@@ -188,8 +196,6 @@ def module_source(
         if not training:
             return output
         return loss_fn(output, batch) if loss_fn is not None else generic_loss(output)
-
-    from vramplan.sources.finetune import apply_finetune
 
     built = BuiltModel(
         name=name,

@@ -214,12 +214,14 @@ def _shape_text(shape: tuple[int, ...]) -> str:
     return "x".join(str(d) for d in shape)
 
 
-def _timm_checkpointing(model: nn.Module, limit: int | None) -> int:
-    """timm's own switch for all blocks; the first ``limit`` repeated blocks otherwise."""
-    if limit is None and hasattr(model, "set_grad_checkpointing"):
+def _timm_checkpointing(
+    model: nn.Module, limit: int | None, every: int = 1, ops: bool = False
+) -> int:
+    """timm's own switch for all blocks; the chosen repeated blocks otherwise."""
+    if limit is None and every == 1 and not ops and hasattr(model, "set_grad_checkpointing"):
         model.set_grad_checkpointing(True)
         return len(true_repeated_blocks(model))
-    return checkpoint_repeated_blocks(model, limit)
+    return checkpoint_repeated_blocks(model, limit, every, ops)
 
 
 def build_timm(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:

@@ -515,7 +515,7 @@ def repeat_built(
         return None, ""
     label = f"{run.length} {run.path} blocks"
     limit = recipe.checkpoint_blocks
-    partial = limit is not None and run.start < limit < run.end
+    partial = (limit is not None and run.start < limit < run.end) or recipe.checkpoint_every > 1
     if recipe.is_training and recipe.checkpointing != "none" and partial:
         return None, f"full trace: {label} mix checkpointed and plain ones"
     stack = ModuleStack()

@@ -202,6 +202,12 @@ def check_checkpointing(built: BuiltModel, recipe: Recipe) -> None:
             f"--checkpointing {limit}: {built.name} has {built.blocks} repeated blocks; "
             f"give at most {built.blocks}, or full"
         )
+    every = recipe.checkpoint_every
+    if every > built.blocks:
+        raise UserError(
+            f"--checkpointing every:{every}: {built.name} has {built.blocks} repeated blocks, "
+            "so no block would recompute"
+        )
 
 
 def prepare_model_for(built: BuiltModel, recipe: Recipe) -> list[str]:
@@ -213,7 +219,9 @@ def prepare_model_for(built: BuiltModel, recipe: Recipe) -> list[str]:
         model.to(param_dtype)
     if recipe.checkpointing != "none" and recipe.is_training:
         check_checkpointing(built, recipe)
-        built.enable_checkpointing(model, recipe.checkpoint_blocks)
+        built.enable_checkpointing(
+            model, recipe.checkpoint_blocks, recipe.checkpoint_every, recipe.checkpoint_ops
+        )
     model.train(recipe.is_training)
     if recipe.grad_accum > MAX_MICRO_STEPS:
         notes.append(

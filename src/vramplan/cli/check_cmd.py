@@ -1,0 +1,143 @@
+"""``vramplan check``: does this job fit the card? One line, exit 0 (fits) or 3 (tight or
+out of memory), for launchers and CI::
+
+$ vramplan check --config qlora.yaml --gpu a10g && python train.py
+$ vramplan check hf:meta-llama-3-8b --config ds_config.json --gpu h100 --json
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from vramplan import UserError
+from vramplan.cli.app import app
+from vramplan.cli.config_options import ConfigOpt, OptionalModel, config_lines, with_config
+from vramplan.cli.options import (
+    AllocConfOpt,
+    BatchSize,
+    CheckpointingOpt,
+    ComputeDtypeOpt,
+    CudnnBenchmarkOpt,
+    DoubleQuantOpt,
+    DpOpt,
+    FrameworkOpt,
+    FreezeOpt,
+    FsdpOpt,
+    GpuMemoryOpt,
+    GpuOpt,
+    GradAccum,
+    HeadroomOpt,
+    InputShape,
+    JsonOpt,
+    LoraAlphaOpt,
+    LoraDropoutOpt,
+    LoraOpt,
+    LoraTargetsOpt,
+    MicrobatchesOpt,
+    ModeOpt,
+    OffloadOptimizerOpt,
+    OffloadParamsOpt,
+    OptimizerOpt,
+    PpOpt,
+    PrecisionOpt,
+    ProfileOpt,
+    QuantizeOpt,
+    QuietOpt,
+    ReshardOpt,
+    SeqLen,
+    ShardOpt,
+    SpOpt,
+    StackOpt,
+    TargetOpt,
+    TimeoutOpt,
+    TpOpt,
+    TrainOnlyOpt,
+    UnitsOpt,
+    UsedCounterOpt,
+    WorldSizeOpt,
+    ZeroOpt,
+    layout_from_options,
+    recipe_from_options,
+    session_from_options,
+)
+from vramplan.report.check import check_exit_code, check_json, check_line
+from vramplan.report.progress import progress_wanted, trace_progress
+from vramplan.report.render import check_units, print_json
+
+
+@app.command("check")
+def check_command(
+    ctx: typer.Context,
+    model: OptionalModel = None,
+    config: ConfigOpt = None,
+    batch_size: BatchSize = 1,
+    seq_len: SeqLen = None,
+    input_shape: InputShape = None,
+    precision: PrecisionOpt = "fp32",
+    optimizer: OptimizerOpt = "adamw",
+    checkpointing: CheckpointingOpt = "none",
+    grad_accum: GradAccum = 1,
+    mode: ModeOpt = "train",
+    lora: LoraOpt = 0,
+    lora_targets: LoraTargetsOpt = None,
+    lora_alpha: LoraAlphaOpt = None,
+    lora_dropout: LoraDropoutOpt = 0.0,
+    freeze: FreezeOpt = None,
+    train_only: TrainOnlyOpt = None,
+    quantize: QuantizeOpt = "none",
+    double_quant: DoubleQuantOpt = False,
+    compute_dtype: ComputeDtypeOpt = None,
+    target: TargetOpt = "cuda",
+    gpu: GpuOpt = None,
+    gpu_memory: GpuMemoryOpt = None,
+    headroom: HeadroomOpt = 0.10,
+    alloc_conf: AllocConfOpt = None,
+    cudnn_benchmark: CudnnBenchmarkOpt = False,
+    stack: StackOpt = None,
+    used_counter: UsedCounterOpt = "nvml-v1",
+    framework: FrameworkOpt = "pytorch",
+    profile: ProfileOpt = None,
+    fsdp: FsdpOpt = None,
+    world_size: WorldSizeOpt = None,
+    shard: ShardOpt = "full",
+    reshard_after_forward: ReshardOpt = True,
+    zero: ZeroOpt = None,
+    dp: DpOpt = None,
+    offload_optimizer: OffloadOptimizerOpt = False,
+    offload_params: OffloadParamsOpt = False,
+    tp: TpOpt = 1,
+    sp: SpOpt = False,
+    pp: PpOpt = 1,
+    microbatches: MicrobatchesOpt = 1,
+    timeout: TimeoutOpt = 300.0,
+    json_output: JsonOpt = False,
+    units: UnitsOpt = "binary",
+    full_trace: Annotated[
+        bool,
+        typer.Option(
+            "--full-trace",
+            help="Trace every block instead of tracing a run of identical blocks once and "
+            "repeating it (the default for hf: models, where that rebuild is exact).",
+        ),
+    ] = False,
+    quiet: QuietOpt = False,
+) -> int:
+    """Exit 0 when the step fits the card with its headroom free, 3 when it does not (one
+    line; --json for the verdict as an object). Needs --gpu or --gpu-memory."""
+    check_units(units)
+    if gpu is None and gpu_memory is None:
+        raise UserError("check needs a card: --gpu NAME or --gpu-memory SIZE")
+    options, training_config = with_config(locals(), ctx)
+    recipe = recipe_from_options(options)
+    layout = layout_from_options(options)
+    with trace_progress(progress_wanted(json_output, quiet)) as progress:
+        session = session_from_options(options, progress=progress)
+        result = session.estimate(recipe, layout=layout)
+    lines = config_lines(training_config, options)
+    if json_output:
+        print_json(check_json(result, lines))
+    else:
+        print(check_line(result, units))
+    return check_exit_code(result.verdict.status)
