@@ -11,7 +11,9 @@ from pathlib import Path
 import pytest
 
 from vramplan.errors import UserError
-from vramplan.sources import hub
+from vramplan.pipeline import estimate_built
+from vramplan.recipe import Recipe
+from vramplan.sources import hub, resolve
 from vramplan.sources.configs import load_config_dict
 
 TINY_LLAMA = {
@@ -256,3 +258,15 @@ def test_a_repositorys_own_code_runs_only_when_trusted(tmp_path, run_cli):
     # embedding 16x8, two 8x8 layers with biases, an 8x16 head
     assert model["architecture"] == "AcmeForCausalLM"
     assert model["parameters"] == 16 * 8 + 2 * (8 * 8 + 8) + 8 * 16
+
+
+@pytest.mark.parametrize("precision,width", [("fp32", 4), ("amp-bf16", 4), ("bf16", 2)])
+def test_the_recipe_not_the_config_s_dtype_sizes_the_weights(gpt2_config, precision, width):
+    """Hub configs name their checkpoint's dtype (``torch_dtype: bfloat16``); training in
+    fp32 or amp keeps fp32 weights all the same."""
+    path = gpt2_config(torch_dtype="bfloat16")
+    recipe = Recipe(batch_size=1, seq_len=8, precision=precision)
+    built = resolve(f"hf:{path}", recipe)
+    count = sum(p.numel() for p in built.model.parameters())
+    estimate = estimate_built(built, recipe, target="cpu")
+    assert estimate.components["parameters"] == count * width

@@ -190,7 +190,9 @@ def build_hf(
         model = _remote_model(transformers, label, data, device)
     else:
         model = _local_model(transformers, label, data, device, recipe)
-    return wrap_hf_model(model, recipe, f"hf:{label}")
+    # Hub configs carry the checkpoint's dtype (``torch_dtype: bfloat16``), which
+    # transformers builds in; the recipe's precision decides, from fp32 weights.
+    return wrap_hf_model(model.float(), recipe, f"hf:{label}")
 
 
 def is_hf_model(model: nn.Module) -> bool:
