@@ -213,6 +213,10 @@ class _Region:
     q: int
     d: int
     sign: int = 1
+    start: int = 0
+    end: int = 0
+    """The periods around the run stand for the first and the last block in ``[start,
+    end)``: they stop where the next iteration's storages begin."""
 
     def window(self, pos: int) -> tuple[str, int] | None:
         """Which window holds ``pos``: the run itself ('x'), the period before ('-') or
@@ -258,20 +262,55 @@ def _regions(tok2: list[tuple], tok3: list[tuple]) -> list[_Region]:
         while high + 2 * d < len(tok3) and tok3[high] == tok3[high + d]:
             high += 1
         region.q = (low + high) // 2
+        region.start, region.end = _same_iteration(tok3, region)
     return regions
 
 
+def _same_iteration(tok3: list[tuple], region: _Region) -> tuple[int, int]:
+    """How far the periods around ``region``'s run reach before a storage of another
+    iteration is born (the run's last block is not followed by the next iteration's)."""
+    q, d = region.q, region.d
+    iterations = {t[4] for t in tok3[q : q + d] if t and t[0]}
+
+    def foreign(pos: int) -> bool:
+        t = tok3[pos]
+        return bool(t) and t[0] and t[4] not in iterations
+
+    start = q
+    while start > max(q - d, 0) and not foreign(start - 1):
+        start -= 1
+    end = q + d
+    while end < min(q + 2 * d, len(tok3)) and not foreign(end):
+        end += 1
+    return start, end
+
+
 def _label(regions: list[_Region], size: int) -> list[tuple[int, str, int] | None]:
+    """Each event's (region, window, offset). A region's own run wins over the periods
+    around another one, and the periods of a shorter stretch over those of a longer one (a
+    cache's frees sit between forward and backward, inside the periods around both);
+    periods of two stretches of one length that meet are nobody's."""
     labels: list[tuple[int, str, int] | None] = [None] * size
-    for j, region in enumerate(regions):
-        for pos in range(region.q - region.d, region.q + 2 * region.d):
-            window = region.window(pos)
-            if labels[pos] is not None:
-                if window[0] == "x" or labels[pos][1] == "x":
-                    raise NotRepeatable("repeated stretches overlap")
-                labels[pos] = None if labels[pos][0] != j else labels[pos]
+    owner_length = [0] * size
+    order = sorted(range(len(regions)), key=lambda j: -regions[j].d)
+    for j in order:
+        region = regions[j]
+        before = range(region.q - region.d, region.q)
+        after = range(region.q + region.d, region.q + 2 * region.d)
+        for pos in (*before, *after):
+            if not region.start <= pos < region.end:
                 continue
-            labels[pos] = (j, *window)
+            if owner_length[pos] == region.d and labels[pos] is not None:
+                labels[pos] = None  # contested: stays nobody's
+                continue
+            if owner_length[pos] != region.d:
+                labels[pos] = (j, *region.window(pos))
+                owner_length[pos] = region.d
+    for j, region in enumerate(regions):
+        for pos in range(region.q, region.q + region.d):
+            if labels[pos] is not None and labels[pos][1] == "x":
+                raise NotRepeatable("repeated stretches overlap")
+            labels[pos] = (j, "x", pos - region.q)
     return labels
 
 
