@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from operator import itemgetter
+from typing import NamedTuple
 
 from vramplan.result import Component, Phase
 
@@ -48,9 +50,8 @@ class PhaseMark:
     iteration: int
 
 
-@dataclass(frozen=True)
-class Event:
-    """One allocation (+) or free (-) in trace order."""
+class Event(NamedTuple):
+    """One allocation (+) or free (-) in trace order (a tuple: a trace has many)."""
 
     index: int
     allocation: Allocation
@@ -76,13 +77,14 @@ class Trace:
     """``OpMarker``s of library-backed ops (convolutions), for the device model."""
 
     def events(self) -> Iterator[Event]:
-        """Allocations and frees interleaved in the order they happened."""
-        by_index: list[Event | None] = [None] * self.event_count
-        for alloc in self.allocations:
-            by_index[alloc.alloc_index] = Event(alloc.alloc_index, alloc, True)
-            if alloc.free_index is not None:
-                by_index[alloc.free_index] = Event(alloc.free_index, alloc, False)
-        return (e for e in by_index if e is not None)
+        """Allocations and frees interleaved in the order they happened (sorted, not
+        bucketed: a device trace's indices are spread out)."""
+        events = [Event(a.alloc_index, a, True) for a in self.allocations]
+        events += [
+            Event(a.free_index, a, False) for a in self.allocations if a.free_index is not None
+        ]
+        events.sort(key=itemgetter(0))
+        return iter(events)
 
     def phase_at(self, index: int) -> PhaseMark:
         """The phase mark in force at an event index."""

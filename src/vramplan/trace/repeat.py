@@ -395,6 +395,13 @@ def _links(trace: Trace) -> list[tuple[int, int | None]]:
     return sorted((a.alloc_index, a.free_index) for a in trace.allocations)
 
 
+def _moved(a: Allocation, id_: int, module: str, born: int, died: int | None) -> Allocation:
+    """``a`` renumbered, renamed and moved (``dataclasses.replace`` is slow on long traces)."""
+    return Allocation(
+        id_, a.nbytes, a.category, a.phase, a.iteration, module, a.op, born, died, a.stream
+    )
+
+
 def _rebuild(t3, slots3, tok3, labels, regions, names, full, renamer) -> Trace:  # noqa: C901
     """The events of the run at depth ``full`` (>= 2): each region's run repeated
     ``full - 2`` times, every storage freed the same number of blocks later as in the
@@ -494,7 +501,7 @@ def _rebuild(t3, slots3, tok3, labels, regions, names, full, renamer) -> Trace: 
                 if freed is None or freed[1] or _kind(freed[0], names) != _kind(a, names):
                     raise NotRepeatable(f"{a.op}'s storage dies where another one did")
             module = renamer.renamed(a.module, shift)
-            new = replace(a, id=next_id, alloc_index=born, free_index=died, module=module)
+            new = _moved(a, next_id, module, born, died)
             if died is not None:
                 claimed[died] = new
             next_id += 1
@@ -524,7 +531,9 @@ def _finish(t3: Trace, allocations, size, regions, labels, position, full) -> Tr
             marker = replace(marker, index=position(marker.index))
         markers.append(marker)
     allocations.sort(key=lambda a: a.alloc_index)
-    renumbered = [replace(a, id=i) for i, a in enumerate(allocations)]
+    renumbered = [
+        _moved(a, i, a.module, a.alloc_index, a.free_index) for i, a in enumerate(allocations)
+    ]
     return replace(
         t3,
         allocations=tuple(renumbered),
