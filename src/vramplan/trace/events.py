@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from operator import itemgetter
 from typing import NamedTuple
 
 from vramplan.result import Component, Phase
@@ -77,14 +76,15 @@ class Trace:
     """``OpMarker``s of library-backed ops (convolutions), for the device model."""
 
     def events(self) -> Iterator[Event]:
-        """Allocations and frees interleaved in the order they happened (sorted, not
-        bucketed: a device trace's indices are spread out)."""
-        events = [Event(a.alloc_index, a, True) for a in self.allocations]
-        events += [
-            Event(a.free_index, a, False) for a in self.allocations if a.free_index is not None
-        ]
-        events.sort(key=itemgetter(0))
-        return iter(events)
+        """Allocations and frees interleaved in the order they happened (a dictionary
+        sorted by index, not a list of every index: a device trace's indices are spread
+        out). Of two events written at one index, only the later is kept."""
+        by_index: dict[int, Event] = {}
+        for alloc in self.allocations:
+            by_index[alloc.alloc_index] = Event(alloc.alloc_index, alloc, True)
+            if alloc.free_index is not None:
+                by_index[alloc.free_index] = Event(alloc.free_index, alloc, False)
+        return (by_index[index] for index in sorted(by_index))
 
     def phase_at(self, index: int) -> PhaseMark:
         """The phase mark in force at an event index."""
