@@ -118,10 +118,8 @@ def largest_fitting(
         if high is None:
             below = max(x for x in points if x < low)
             predicted = _predict((below, points[below]), (low, points[low]), usable)
-            if predicted is None:
-                candidate = low * 2
-            else:  # the line puts the boundary at or before ``low``: try its neighbour
-                candidate = max(predicted, low + 1)
+            # where the line puts the boundary at or before ``low``, try its neighbour
+            candidate = low * 2 if predicted is None else max(predicted, low + 1)
             continue
         # Safeguarded secant: memory is a step function of the knob (allocator segments),
         # so when a step does not halve the bracket, the next one bisects.
