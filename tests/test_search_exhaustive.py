@@ -1,5 +1,5 @@
-"""The max-batch search (a line through two traces, the predicted boundary and its
-neighbour) finds the same batch as tracing every batch size in turn."""
+"""The max-batch search (a line through two traces, then the predicted boundary and its
+neighbour) finds the same batch as tracing every batch size in turn, with fewer traces."""
 
 from __future__ import annotations
 
@@ -20,4 +20,4 @@ def test_search_equals_the_exhaustive_answer(tiny_cnn):
     while exhaustive.estimate(recipe.with_changes(batch_size=batch)).verdict.status == "fits":
         batch += 1
     assert 1 < searched.value == batch - 1
-    assert searched.traces <= 4 < batch  # two for the line, the boundary and its neighbour
+    assert searched.traces < batch and searched.traces <= searched.bisection_traces
