@@ -64,6 +64,11 @@ ROWS = [
         4.0,
     ),
     (
+        "estimate llama-3-8b s4096 amp-bf16",
+        ["estimate", "hf:meta-llama-3-8b", "--seq-len", "4096", "--precision", "amp-bf16"],
+        4.0,
+    ),
+    (
         "estimate llama-3-70b s4096 bf16",
         ["estimate", "hf:meta-llama-3-70b", "--seq-len", "4096", "--precision", "bf16"],
         6.0,

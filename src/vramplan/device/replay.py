@@ -57,6 +57,22 @@ def conv_workspace(
     return Workspace(cached, cached, cached, (first,), "measured", measured=True)
 
 
+def _copy(a: Allocation, nbytes: int, alloc_index: int, free_index: int | None) -> Allocation:
+    """``a`` resized or moved (``dataclasses.replace`` costs seconds on a long trace)."""
+    return Allocation(
+        a.id,
+        nbytes,
+        a.category,
+        a.phase,
+        a.iteration,
+        a.module,
+        a.op,
+        alloc_index,
+        free_index,
+        a.stream,
+    )
+
+
 def _first_index(trace: Trace, phase: Phase) -> int | None:
     mark = next((m for m in trace.phases if m.phase == phase), None)
     return None if mark is None else mark.index
@@ -92,8 +108,9 @@ def device_trace(
     first call of each configuration first times candidates with the largest workspace
     that fits, then empties the cache; later calls allocate the cached plan's size."""
     allocations = [
-        replace(
+        _copy(
             a,
+            nbytes=a.nbytes,
             alloc_index=a.alloc_index * SPREAD,
             free_index=None if a.free_index is None else a.free_index * SPREAD,
         )
@@ -263,11 +280,13 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
     rounded = replace(
         on_device.trace,
         allocations=tuple(
-            replace(
+            _copy(
                 a,
                 nbytes=unlimited.block_sizes.get(
                     a.id, 0 if a.id in on_device.candidates else a.nbytes
                 ),
+                alloc_index=a.alloc_index,
+                free_index=a.free_index,
             )
             for a in on_device.trace.allocations
         ),

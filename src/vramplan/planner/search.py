@@ -1,7 +1,9 @@
 """The largest batch (or context) whose step fits the card with headroom.
 
 Device memory grows close to linearly with the batch, so two traces give a slope and a
-prediction; each further trace tightens a bracket [fits, does not fit] by the secant
+prediction of the figure the verdict reads (the high end of the device total's range);
+the predicted boundary is traced and then its neighbour, so a good prediction costs four
+traces. Otherwise each further trace tightens a bracket [fits, does not fit] by the secant
 through the nearest points (bisection when the secant leaves the bracket), until the
 answer N fits and N+1 does not::
 
@@ -72,7 +74,8 @@ class SearchResult:
 
 
 def _measure(estimate: Estimate) -> int:
-    return estimate.peak.device_total_bytes
+    """The figure the verdict compares with the usable line (the high end of the range)."""
+    return estimate.verdict.compared_bytes
 
 
 def _predict(a: tuple[int, int], b: tuple[int, int], target: int) -> int | None:
@@ -126,7 +129,8 @@ def largest_fitting(
         if high is None:
             below = max(x for x in points if x < low)
             predicted = _predict((below, points[below]), (low, points[low]), usable)
-            candidate = predicted if predicted and predicted > low else low * 2
+            # where the line puts the boundary at or before ``low``, try its neighbour
+            candidate = low * 2 if predicted is None else max(predicted, low + 1)
             continue
         # Safeguarded secant: memory is a step function of the knob (allocator segments),
         # so when a step does not halve the bracket, the next one bisects.

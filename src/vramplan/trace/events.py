@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from vramplan.result import Component, Phase
 
@@ -48,9 +49,8 @@ class PhaseMark:
     iteration: int
 
 
-@dataclass(frozen=True)
-class Event:
-    """One allocation (+) or free (-) in trace order."""
+class Event(NamedTuple):
+    """One allocation (+) or free (-) in trace order (a tuple: a trace has many)."""
 
     index: int
     allocation: Allocation
@@ -79,13 +79,15 @@ class Trace:
     paged optimizer state, offloaded activations."""
 
     def events(self) -> Iterator[Event]:
-        """Allocations and frees interleaved in the order they happened."""
-        by_index: list[Event | None] = [None] * self.event_count
+        """Allocations and frees interleaved in the order they happened (a dictionary
+        sorted by index, not a list of every index: a device trace's indices are spread
+        out). Of two events written at one index, only the later is kept."""
+        by_index: dict[int, Event] = {}
         for alloc in self.allocations:
             by_index[alloc.alloc_index] = Event(alloc.alloc_index, alloc, True)
             if alloc.free_index is not None:
                 by_index[alloc.free_index] = Event(alloc.free_index, alloc, False)
-        return (e for e in by_index if e is not None)
+        return (by_index[index] for index in sorted(by_index))
 
     def phase_at(self, index: int) -> PhaseMark:
         """The phase mark in force at an event index."""

@@ -213,6 +213,10 @@ class _Region:
     q: int
     d: int
     sign: int = 1
+    start: int = 0
+    end: int = 0
+    """The periods around the run stand for the first and the last block in ``[start,
+    end)``: they stop where the next iteration's storages begin."""
 
     def window(self, pos: int) -> tuple[str, int] | None:
         """Which window holds ``pos``: the run itself ('x'), the period before ('-') or
@@ -258,20 +262,55 @@ def _regions(tok2: list[tuple], tok3: list[tuple]) -> list[_Region]:
         while high + 2 * d < len(tok3) and tok3[high] == tok3[high + d]:
             high += 1
         region.q = (low + high) // 2
+        region.start, region.end = _same_iteration(tok3, region)
     return regions
 
 
+def _same_iteration(tok3: list[tuple], region: _Region) -> tuple[int, int]:
+    """How far the periods around ``region``'s run reach before a storage of another
+    iteration is born (the run's last block is not followed by the next iteration's)."""
+    q, d = region.q, region.d
+    iterations = {t[4] for t in tok3[q : q + d] if t and t[0]}
+
+    def foreign(pos: int) -> bool:
+        t = tok3[pos]
+        return bool(t) and t[0] and t[4] not in iterations
+
+    start = q
+    while start > max(q - d, 0) and not foreign(start - 1):
+        start -= 1
+    end = q + d
+    while end < min(q + 2 * d, len(tok3)) and not foreign(end):
+        end += 1
+    return start, end
+
+
 def _label(regions: list[_Region], size: int) -> list[tuple[int, str, int] | None]:
+    """Each event's (region, window, offset). A region's own run wins over the periods
+    around another one, and the periods of a shorter stretch over those of a longer one (a
+    cache's frees sit between forward and backward, inside the periods around both);
+    periods of two stretches of one length that meet are nobody's."""
     labels: list[tuple[int, str, int] | None] = [None] * size
-    for j, region in enumerate(regions):
-        for pos in range(region.q - region.d, region.q + 2 * region.d):
-            window = region.window(pos)
-            if labels[pos] is not None:
-                if window[0] == "x" or labels[pos][1] == "x":
-                    raise NotRepeatable("repeated stretches overlap")
-                labels[pos] = None if labels[pos][0] != j else labels[pos]
+    owner_length = [0] * size
+    order = sorted(range(len(regions)), key=lambda j: -regions[j].d)
+    for j in order:
+        region = regions[j]
+        before = range(region.q - region.d, region.q)
+        after = range(region.q + region.d, region.q + 2 * region.d)
+        for pos in (*before, *after):
+            if not region.start <= pos < region.end:
                 continue
-            labels[pos] = (j, *window)
+            if owner_length[pos] == region.d and labels[pos] is not None:
+                labels[pos] = None  # contested: stays nobody's
+                continue
+            if owner_length[pos] != region.d:
+                labels[pos] = (j, *region.window(pos))
+                owner_length[pos] = region.d
+    for j, region in enumerate(regions):
+        for pos in range(region.q, region.q + region.d):
+            if labels[pos] is not None and labels[pos][1] == "x":
+                raise NotRepeatable("repeated stretches overlap")
+            labels[pos] = (j, "x", pos - region.q)
     return labels
 
 
@@ -354,6 +393,13 @@ def same_events(a: Trace, b: Trace) -> bool:
 
 def _links(trace: Trace) -> list[tuple[int, int | None]]:
     return sorted((a.alloc_index, a.free_index) for a in trace.allocations)
+
+
+def _moved(a: Allocation, id_: int, module: str, born: int, died: int | None) -> Allocation:
+    """``a`` renumbered, renamed and moved (``dataclasses.replace`` is slow on long traces)."""
+    return Allocation(
+        id_, a.nbytes, a.category, a.phase, a.iteration, module, a.op, born, died, a.stream
+    )
 
 
 def _rebuild(t3, slots3, tok3, labels, regions, names, full, renamer) -> Trace:  # noqa: C901
@@ -455,7 +501,7 @@ def _rebuild(t3, slots3, tok3, labels, regions, names, full, renamer) -> Trace: 
                 if freed is None or freed[1] or _kind(freed[0], names) != _kind(a, names):
                     raise NotRepeatable(f"{a.op}'s storage dies where another one did")
             module = renamer.renamed(a.module, shift)
-            new = replace(a, id=next_id, alloc_index=born, free_index=died, module=module)
+            new = _moved(a, next_id, module, born, died)
             if died is not None:
                 claimed[died] = new
             next_id += 1
@@ -485,7 +531,9 @@ def _finish(t3: Trace, allocations, size, regions, labels, position, full) -> Tr
             marker = replace(marker, index=position(marker.index))
         markers.append(marker)
     allocations.sort(key=lambda a: a.alloc_index)
-    renumbered = [replace(a, id=i) for i, a in enumerate(allocations)]
+    renumbered = [
+        _moved(a, i, a.module, a.alloc_index, a.free_index) for i, a in enumerate(allocations)
+    ]
     return replace(
         t3,
         allocations=tuple(renumbered),

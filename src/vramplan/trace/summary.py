@@ -44,46 +44,63 @@ class TraceSummary:
     timeline: tuple[TimelinePoint, ...]
 
 
-def _downsample(points: list[TimelinePoint], peak_index: int, limit: int) -> list[TimelinePoint]:
-    """Keep at most ``limit`` points: the highest of each bucket, phase starts and the peak."""
-    if len(points) <= limit:
-        return points
-    size = -(-len(points) // limit)
-    kept = {0, len(points) - 1}
-    for start in range(0, len(points), size):
-        bucket = range(start, min(start + size, len(points)))
-        kept.add(max(bucket, key=lambda i: points[i].total))
-    for i in range(1, len(points)):
-        if points[i].phase != points[i - 1].phase:
+def _kept(totals: list[int], phases: list[str], peak_at: list[int], limit: int) -> list[int]:
+    """Which points the timeline keeps (at most about ``limit``): the highest of each
+    bucket, phase starts and the peak (``peak_at``: the positions of the peak's event)."""
+    count = len(totals)
+    if count <= limit:
+        return list(range(count))
+    size = -(-count // limit)
+    kept = {0, count - 1}
+    for start in range(0, count, size):
+        bucket = range(start, min(start + size, count))
+        kept.add(max(bucket, key=totals.__getitem__))
+    for i in range(1, count):
+        if phases[i] != phases[i - 1]:
             kept.add(i)
-    kept.update(i for i, p in enumerate(points) if p.index == peak_index)
-    return [points[i] for i in sorted(kept)]
+    kept.update(peak_at)
+    return sorted(kept)
 
 
 def summarize_trace(trace: Trace, module_kinds: dict[str, str] | None = None) -> TraceSummary:
-    """Walk the events once, tracking live bytes per component."""
-    live = empty_components()
-    total = 0
-    peak_total, peak_index = -1, 0
-    peak_components = dict(live)
-    phase_peaks: dict[str, int] = {}
-    phase_components: dict[str, dict[str, int]] = {}
-    points: list[TimelinePoint] = []
+    """Walk the events twice: once for the running totals, once more to read the
+    components at the few points kept (the peak, each phase's peak, the timeline)."""
+    events = list(trace.events())
     marks = trace.phases
     mark_pos = 0
-    for event in trace.events():
+    total = 0
+    peak_total, peak_index, peak_at = -1, 0, 0
+    totals: list[int] = []
+    point_marks = []
+    phase_peaks: dict[str, int] = {}
+    phase_peak_at: dict[str, int] = {}
+    for i, event in enumerate(events):
         while mark_pos + 1 < len(marks) and marks[mark_pos + 1].index <= event.index:
             mark_pos += 1
         mark = marks[mark_pos]
-        live[event.allocation.category] += event.delta
         total += event.delta
-        point = TimelinePoint(event.index, mark.phase, mark.iteration, dict(live))
+        totals.append(total)
+        point_marks.append(mark)
         if total > phase_peaks.get(mark.phase, -1):
             phase_peaks[mark.phase] = total
-            phase_components[mark.phase] = point.components
-        points.append(point)
+            phase_peak_at[mark.phase] = i
         if total > peak_total:
-            peak_total, peak_index, peak_components = total, event.index, dict(live)
+            peak_total, peak_index, peak_at = total, event.index, i
+    peak_positions = [i for i, e in enumerate(events) if e.index == peak_index] if events else []
+    kept = _kept(totals, [m.phase for m in point_marks], peak_positions, TIMELINE_POINTS)
+    wanted = set(kept) | set(phase_peak_at.values()) | {peak_at}
+    live = empty_components()
+    snapshots: dict[int, dict[str, int]] = {}
+    for i, event in enumerate(events):
+        live[event.allocation.category] += event.delta
+        if i in wanted:
+            snapshots[i] = dict(live)
+    peak_components = snapshots.get(peak_at, dict(live)) if events else dict(live)
+    phase_components = {phase: snapshots[i] for phase, i in phase_peak_at.items()}
+    points = [
+        TimelinePoint(events[i].index, point_marks[i].phase, point_marks[i].iteration, snapshots[i])
+        for i in kept
+    ]
     peak_mark = trace.phase_at(peak_index)
     peak = Peak(
         allocated_bytes=max(peak_total, 0), phase=peak_mark.phase, iteration=peak_mark.iteration
@@ -103,5 +120,5 @@ def summarize_trace(trace: Trace, module_kinds: dict[str, str] | None = None) ->
         phase_peaks=dict(phase_peaks),
         phase_components=phase_components,
         top_modules=top_modules,
-        timeline=tuple(_downsample(points, peak_index, TIMELINE_POINTS)),
+        timeline=tuple(points),
     )
