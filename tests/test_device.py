@@ -200,3 +200,32 @@ def test_gpus_command_json(run_cli):
     code, out, _ = run_cli("gpus", "--json")
     rows = json.loads(out)
     assert code == 0 and {"name", "total_bytes", "arch"} <= set(rows[0])
+
+
+def test_both_cublas_workspaces_reach_the_allocator_in_each_phase():
+    """cuBLAS and cuBLASLt each allocate a workspace at the first matmul of forward and of
+    backward; both must be events of the replay (one index holds one event)."""
+    import torch
+    from torch import nn
+
+    from vramplan.device.replay import device_trace
+    from vramplan.device.runtime import cublas_workspace_bytes, cublaslt_workspace_bytes
+    from vramplan.recipe import Recipe
+    from vramplan.sources.user_code import module_source
+    from vramplan.trace.policy import CudaPolicy
+    from vramplan.trace.step import trace_training
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    recipe = Recipe(batch_size=4, input_shape=(64,), optimizer="sgd")
+    trace = trace_training(module_source(model, recipe, "mlp"), recipe, CudaPolicy())
+    gpu = lookup_gpu("h100")
+    on_device = device_trace(trace, gpu, cudnn_benchmark=False)
+    seen = [
+        (e.allocation.op, e.allocation.nbytes, on_device.trace.phase_at(e.index).phase)
+        for e in on_device.trace.events()
+        if e.is_alloc and e.allocation.op.endswith("_workspace")
+    ]
+    for phase in ("forward", "backward"):
+        assert ("cublas_workspace", cublas_workspace_bytes(gpu), phase) in seen
+        assert ("cublaslt_workspace", cublaslt_workspace_bytes(gpu), phase) in seen

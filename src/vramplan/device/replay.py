@@ -122,14 +122,12 @@ def device_trace(
         if start is None or not uses_matmul(trace, phase):
             continue
         iteration = trace.phase_at(start).iteration
-        for op, nbytes in (
-            ("cublas_workspace", cublas_workspace_bytes(gpu)),
-            ("cublaslt_workspace", cublaslt_workspace_bytes(gpu)),
+        for slot, op, nbytes in (  # each its own slot: one index holds one event
+            (start * SPREAD - 2, "cublas_workspace", cublas_workspace_bytes(gpu)),
+            (start * SPREAD - 1, "cublaslt_workspace", cublaslt_workspace_bytes(gpu)),
         ):
             if nbytes:
-                allocations.append(
-                    _workspace(next_id, nbytes, start * SPREAD - 1, phase, iteration, op, None)
-                )
+                allocations.append(_workspace(next_id, nbytes, slot, phase, iteration, op, None))
                 next_id += 1
     candidates: dict[int, tuple[int, ...]] = {}
     empties: set[int] = set()
@@ -170,7 +168,7 @@ def device_trace(
                 next_id += 1
             slot += 2
     phases = tuple(
-        PhaseMark(max(0, m.index * SPREAD - 1) if m.index else 0, m.phase, m.iteration)
+        PhaseMark(max(0, m.index * SPREAD - 2) if m.index else 0, m.phase, m.iteration)
         for m in trace.phases
     )
     on_device = replace(
