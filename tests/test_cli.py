@@ -57,6 +57,7 @@ def test_json_contract(run_cli, tiny_gpt2_config):
         "activations",
         "temporaries",
         "inputs",
+        "kv_cache",
     }
     assert all(isinstance(v, int) for v in data["components"].values())
     assert data["recipe"]["batch_size"] == 2 and data["recipe"]["seq_len"] == 32

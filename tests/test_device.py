@@ -193,7 +193,9 @@ def test_tensorflow_is_explained(run_cli, tiny_gpt2):
     code, out, _ = run_cli(
         "estimate", tiny_gpt2, "--seq-len", "32", "--framework", "tensorflow", "--json"
     )
-    assert code == 0 and any("memory growth" in n for n in json.loads(out)["notes"])
+    notes = json.loads(out)["notes"]
+    assert code == 0 and any("set_memory_growth" in n for n in notes)
+    assert any("TensorFlow takes" in n for n in notes)  # the preallocated card, said
 
 
 def test_gpus_command_json(run_cli):

@@ -29,6 +29,8 @@ STATE_COPIES = {
 }
 # bitsandbytes 8-bit Adam: two uint8 states and an fp32 absmax per 256-element block each.
 ADAM8BIT_BYTES = 2 + 2 * 4 / 256
+# ... and its two 256-entry fp32 quantization maps (qmap1, qmap2), shared by every parameter.
+ADAM8BIT_QMAPS = 2 * 256 * 4
 
 
 def weight_bytes(precision: str) -> int:
@@ -52,7 +54,7 @@ def model_state_bytes(
             Component.OPTIMIZER_STATE: 0,
         }
     if optimizer == "adam8bit":
-        state = round(trained * ADAM8BIT_BYTES)
+        state = round(trained * ADAM8BIT_BYTES) + (ADAM8BIT_QMAPS if trained else 0)
     elif optimizer in STATE_COPIES:
         state = trained * per * STATE_COPIES[optimizer]
     else:
