@@ -11,6 +11,7 @@ and what was honoured, noted or ignored. Flags given beside it override it::
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -38,20 +39,8 @@ RECIPE_OPTIONS = (
     "double_quant",
     "compute_dtype",
 )
-LAYOUT_OPTIONS = (
-    "fsdp",
-    "world_size",
-    "shard",
-    "reshard_after_forward",
-    "zero",
-    "dp",
-    "offload_optimizer",
-    "offload_params",
-    "tp",
-    "sp",
-    "pp",
-    "microbatches",
-)
+LAYOUT_OPTIONS = tuple(inspect.signature(layout_from_flags).parameters)
+"""The parallel-layout flags: the keyword arguments of ``layout_from_flags``."""
 OPTIONS = ("model", *RECIPE_OPTIONS, *LAYOUT_OPTIONS)
 SHARDINGS = ("fsdp", "world_size", "zero")
 """The data-parallel schemes, one at a time: a flag naming one replaces the config's."""
