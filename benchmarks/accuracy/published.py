@@ -93,7 +93,7 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
         **knobs(row.get("knobs") or ""),
     )
     counter = row.get("used_counter") or "nvml-v1"
-    options = device_options(gpu=row["gpu"], used_counter=counter)
+    options = device_options(gpu=row["gpu"], used_counter=counter, stack=row.get("stack") or None)
     options = replace(options, profile=_profile(row, options.gpu, counter))
     estimate = estimate_built(resolve(row["model"], recipe), recipe, "cuda", options)
     if row["metric"] == "allocated":

@@ -73,7 +73,12 @@ def trace_and_estimate(
 ) -> tuple[Estimate, Trace]:
     """``estimate_built`` that also returns the trace (to judge it on other cards)."""
     device = device or DeviceOptions()
-    policy = policy or policy_for(target, device.card.arch, device.software.foreach_default)
+    policy = policy or policy_for(
+        target,
+        device.card.arch,
+        device.software.foreach_default,
+        device.software.zero_grad_frees,
+    )
     check_attention_target(recipe.attention, policy.name, device.card.arch)
     trace = traced(built, recipe, policy, engine)
     notes = list(trace.notes)
@@ -124,7 +129,12 @@ def estimate_user_step(
 ) -> Estimate:
     """The user's own ``step_fn`` traced ``iterations`` times on a meta copy of their
     model, then (for ``cuda``) replayed through the device model."""
-    policy = policy_for(target, device.card.arch, device.software.foreach_default)
+    policy = policy_for(
+        target,
+        device.card.arch,
+        device.software.foreach_default,
+        device.software.zero_grad_frees,
+    )
     trace = trace_step_function(
         step_fn, meta_model, batch, optimizer, policy, recipe, iterations, label
     )

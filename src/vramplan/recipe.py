@@ -123,6 +123,9 @@ class Recipe:
     fused_ce: bool = False
     packing: bool = False
     dora: bool = False
+    # What zero_grad() does between steps (trace/loop.py): "auto" is the emulated PyTorch's
+    # default (None from 2.0, zeros before: data/runtime.json zero_grad).
+    zero_grad: str = "auto"
 
     def __post_init__(self) -> None:
         if (
@@ -161,6 +164,7 @@ class Recipe:
         _check_vision(self)
         _check_model_inputs(self)
         _check_tricks(self)
+        object.__setattr__(self, "zero_grad", _choice(self.zero_grad, ZERO_GRAD, "zero_grad"))
 
     @property
     def checkpoint_blocks(self) -> int | None:
@@ -227,6 +231,8 @@ class Recipe:
             data.pop("extras")
         if data["optimizer_impl"] == "auto":
             data.pop("optimizer_impl")
+        if data["zero_grad"] == "auto":
+            data.pop("zero_grad")
         for name, default in {
             **FINETUNE_DEFAULTS,
             **GENERATION_DEFAULTS,
@@ -428,6 +434,9 @@ def _check_model_inputs(recipe: Recipe) -> None:
         ):
             raise UserError(f"{flag} must be a positive integer, got {value}")
 
+
+ZERO_GRAD = ("auto", "none", "zeros")
+"""``zero_grad`` choices: the stack's default, gradients set to None, or zeroed and kept."""
 
 TRICK_DEFAULTS = {
     "optimizer_in_backward": False,

@@ -69,6 +69,14 @@ CheckpointingOpt = Annotated[
     ),
 ]
 GradAccum = Annotated[int, typer.Option("--grad-accum", help="Micro-batches per optimizer step.")]
+ZeroGradOpt = Annotated[
+    str,
+    typer.Option(
+        "--zero-grad",
+        help="auto | none | zeros: what zero_grad() does between steps (auto: the emulated "
+        "PyTorch's default, None since 2.0; zeros keeps every gradient through the forward).",
+    ),
+]
 ModeOpt = Annotated[
     str,
     typer.Option(
@@ -115,6 +123,8 @@ def recipe_from_options(options: dict) -> Recipe:
         knobs["optimizer_impl"] = options["optimizer_impl"]
     if "optimizer_impl" in options:
         knobs["optimizer_impl"] = options["optimizer_impl"]
+    if "zero_grad" in options:
+        knobs["zero_grad"] = options["zero_grad"]
     model_inputs = {name: options[name] for name in MODEL_INPUT_OPTIONS if name in options}
     return Recipe(
         **knobs,

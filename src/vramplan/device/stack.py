@@ -62,6 +62,19 @@ class Stack:
         rule = runtime_table()["optimizer_implementation"]
         return _version(self.torch) >= _version(rule["foreach_from_torch"])
 
+    @property
+    def zero_grad_frees(self) -> bool:
+        """Whether ``zero_grad()`` sets gradients to None by default (from PyTorch 2.0);
+        before, it zeroed them in place and they stayed allocated through the next forward.
+
+        >>> parse_stack("torch1.10-cu11.2").zero_grad_frees
+        False
+        >>> parse_stack("torch2.0-cu11.8").zero_grad_frees
+        True
+        """
+        rule = runtime_table()["zero_grad"]
+        return _version(self.torch) >= _version(rule["set_to_none_from_torch"])
+
 
 def _version(text: str) -> tuple[int, ...]:
     parts = []

@@ -26,7 +26,7 @@ from vramplan.optimizers import build_optimizer
 from vramplan.recipe import Recipe
 from vramplan.result import Phase
 from vramplan.sources.base import BuiltModel
-from vramplan.trace.loop import run_steps
+from vramplan.trace.loop import frees_gradients, run_steps
 from vramplan.trace.materialize import materialize, unique_parameters
 from vramplan.trace.policy import CpuPolicy, CudaPolicy
 from vramplan.trace.step import prepare_model_for
@@ -118,6 +118,7 @@ def _run(
         batch,
         optimizer,
         recipe,
+        set_to_none=frees_gradients(recipe, policy.frees_grads),
         autocast=autocast,
         iterations=steps,
         mark_phase=lambda phase, iteration: clock.mark(phase, iteration, live()),

@@ -30,6 +30,16 @@ def micro_steps(recipe: Recipe) -> int:
     return min(recipe.grad_accum, MAX_MICRO_STEPS)
 
 
+def frees_gradients(recipe: Recipe, default: bool) -> bool:
+    """Whether ``zero_grad`` sets gradients to None: ``recipe.zero_grad`` (``none`` or
+    ``zeros``), or under ``auto`` the emulated PyTorch's ``default``.
+
+    >>> frees_gradients(Recipe(zero_grad="zeros"), True), frees_gradients(Recipe(), False)
+    (False, False)
+    """
+    return default if recipe.zero_grad == "auto" else recipe.zero_grad == "none"
+
+
 def run_steps(
     built: BuiltModel,
     model: torch.nn.Module,
@@ -41,9 +51,11 @@ def run_steps(
     mark_phase: PhaseMarker,
     iterations: int = ITERATIONS,
     after_optimizer: Callable[[], None] = lambda: None,
+    set_to_none: bool = True,
 ) -> None:
     """Run ``iterations`` steps: forward+loss, backward (per micro-step), optimizer step,
-    ``zero_grad(set_to_none=True)``; inference runs forward under ``no_grad`` only."""
+    ``zero_grad(set_to_none=...)`` (``False``: gradients zeroed in place and kept, as
+    PyTorch before 2.0 did by default); inference runs forward under ``no_grad`` only."""
     for iteration in range(1, iterations + 1):
         if not recipe.is_training:
             mark_phase(Phase.FORWARD, iteration)
@@ -64,6 +76,6 @@ def run_steps(
         if optimizer is not None:
             optimizer.step()
             after_optimizer()
-            optimizer.zero_grad(set_to_none=True)
+            optimizer.zero_grad(set_to_none=set_to_none)
         else:
-            model.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=set_to_none)

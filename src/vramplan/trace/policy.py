@@ -25,6 +25,8 @@ class DevicePolicy(Protocol):
     """Per-device rules the tracer applies while running fake CPU tensors."""
 
     name: str
+    frees_grads: bool
+    """``zero_grad()``'s default: gradients set to None (PyTorch >= 2.0) or zeroed."""
 
     def optimizer_defaults(self) -> dict: ...
 
@@ -45,6 +47,7 @@ class CpuPolicy:
     """Run exactly as PyTorch runs on the CPU: the ground truth for CPU measurements."""
 
     name = "cpu"
+    frees_grads = True  # the installed PyTorch (>= 2.0)
 
     def optimizer_defaults(self) -> dict:
         return {}
@@ -76,9 +79,10 @@ class CudaPolicy(CpuPolicy):
 
     name = "cuda"
 
-    def __init__(self, arch: str = "sm80", foreach: bool = True) -> None:
+    def __init__(self, arch: str = "sm80", foreach: bool = True, frees_grads: bool = True) -> None:
         self.arch = arch
         self.foreach = foreach
+        self.frees_grads = frees_grads
         self._caster = None
         self._kernels: dict[str, int] = {}
 
@@ -135,7 +139,10 @@ def entered(modes: list) -> Iterator[None]:
         yield
 
 
-def policy_for(target: str, arch: str = "sm80", foreach: bool = True) -> DevicePolicy:
+def policy_for(
+    target: str, arch: str = "sm80", foreach: bool = True, frees_grads: bool = True
+) -> DevicePolicy:
     """The policy for a target device name: ``cuda`` (default, of GPU ``arch``; ``foreach``
-    the emulated PyTorch's default optimizer implementation there) or ``cpu``."""
-    return CpuPolicy() if target == "cpu" else CudaPolicy(arch, foreach)
+    the emulated PyTorch's default optimizer implementation there, ``frees_grads`` its
+    ``zero_grad()`` default) or ``cpu``."""
+    return CpuPolicy() if target == "cpu" else CudaPolicy(arch, foreach, frees_grads)

@@ -33,7 +33,7 @@ from vramplan.sources.base import BuiltModel
 from vramplan.trace.categorize import categorize
 from vramplan.trace.errors import explain_failure
 from vramplan.trace.events import Trace
-from vramplan.trace.loop import ITERATIONS, MAX_MICRO_STEPS, run_steps
+from vramplan.trace.loop import ITERATIONS, MAX_MICRO_STEPS, frees_gradients, run_steps
 from vramplan.trace.materialize import materialize, unique_parameters
 from vramplan.trace.modules import ModuleStack
 from vramplan.trace.offdevice import host_peaks, off_device
@@ -284,12 +284,19 @@ def trace_training(
                 recipe.optimizer, params, policy.optimizer_defaults(), recipe.optimizer_impl
             )
             _tag_optimizer_state(session.recorder, optimizer)  # Adagrad's state is eager
+        set_to_none = frees_gradients(recipe, policy.frees_grads)
+        if recipe.is_training and not set_to_none:
+            session.notes.append(
+                "zero_grad() zeroes the gradients in place (PyTorch before 2.0, or "
+                "--zero-grad zeros): they stay allocated through the next forward"
+            )
         run_steps(
             built,
             model,
             batch,
             optimizer,
             recipe,
+            set_to_none=set_to_none,
             autocast=_forward_context(policy, recipe, session, model),
             mark_phase=lambda phase, iteration: (
                 session.recorder.set_phase(phase, iteration),
