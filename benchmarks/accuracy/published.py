@@ -55,6 +55,7 @@ def _profile(row: dict, gpu, counter: str) -> DeviceProfile | None:
         cuda_context_bytes=int(row["profile_context_mib"]) * MiB - reserve,
         cublas_workspace_bytes=0,
         cudnn_loaded=row.get("profile_has_cudnn", "") != "no",
+        cublas_loaded=row.get("profile_has_cublas", "") != "no",
     )
 
 

@@ -38,6 +38,9 @@ class DeviceProfile:
     cudnn_loaded: bool = True
     """Whether the measured context includes cuDNN's kernels (``calibrate`` runs a
     convolution, so it does; a floor read from a model without one does not)."""
+    cublas_loaded: bool = True
+    """Whether it includes cuBLAS's kernels (``calibrate`` runs a GEMM; a context read
+    after one small tensor, as Hugging Face's ``torch.ones((1, 1))`` floor, does not)."""
 
     def to_json(self) -> dict:
         return {"schema": "vramplan.profile/1", **asdict(self)}

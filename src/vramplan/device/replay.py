@@ -240,19 +240,36 @@ def _range(runs: dict[str, _Run], counted_reserve: int) -> tuple[list[int], list
         min(low.outside.total, central.outside.total),
         max(high.outside.total, central.outside.total),
     ]
-    total = [reserved[0] + outside[0] + counted_reserve, reserved[1] + outside[1] + counted_reserve]
+    packed = packed_reserved(low.result.stats.peak_allocated) - min(low.reserved, central.reserved)
     terms = {
         "cudnn_workspace": [reserved[0] - central.reserved, reserved[1] - central.reserved],
+        "fragmentation": [min(0, packed), 0],
         "floor": [outside[0] - central.outside.total, outside[1] - central.outside.total],
     }
+    reserved[0] += terms["fragmentation"][0]
+    total = [reserved[0] + outside[0] + counted_reserve, reserved[1] + outside[1] + counted_reserve]
     widest = max(terms, key=lambda k: terms[k][1] - terms[k][0])
     if terms[widest][1] == terms[widest][0]:
         widest = ""
     return reserved, total, {"widest": widest, "terms": terms}
 
 
+def packed_reserved(peak_allocated: int) -> int:
+    """The least the caching allocator can hold at a step's allocated peak: every live
+    block packed into whole 2 MiB pages (segments never hold less than their blocks;
+    expandable segments come nearest). The low end of the fragmentation term.
+
+    >>> packed_reserved(3 * 2**20 + 1) // 2**20
+    4
+    """
+    return -(-peak_allocated // PAGE) * PAGE
+
+
+PAGE = 2 * 2**20
+
 SETTLES = {
     "cudnn_workspace": "which cuDNN engines the convolutions pick (their workspaces)",
+    "fragmentation": "how the caching allocator's segments pack the live blocks",
     "floor": "the CUDA context and the kernels cuBLAS/cuDNN load on this card and stack",
 }
 

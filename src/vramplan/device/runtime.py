@@ -103,12 +103,15 @@ def outside_allocator(
     convs = uses_convolution(trace)
     images = table["kernel_images"]
     eager = stack is not None and not stack.lazy_loading
-    reading = "high" if eager else variant
+    # Eager loading loads a library's every kernel: its central and high readings take
+    # the high end; how large that image is stays unknown, so the low end is kept.
+    reading = "high" if eager and variant != "low" else variant
     cublas = _pick(images["cublas_range_bytes"], reading) if matmuls else 0
     cudnn = _pick(images["cudnn_range_bytes"], reading) if convs else 0
     if profile is not None:
         cudnn = cudnn if convs and not profile.cudnn_loaded else 0
-        return OutsideAllocator(profile.cuda_context_bytes, 0, cudnn, nccl)
+        cublas = cublas if matmuls and not profile.cublas_loaded else 0
+        return OutsideAllocator(profile.cuda_context_bytes, cublas, cudnn, nccl)
     context_table = table["cuda_context"]
     context = context_table["by_family"].get(gpu.family, context_table["default_bytes"])
     if eager:
