@@ -21,6 +21,7 @@ from vramplan.device.runtime import (
     outside_allocator,
     uses_matmul,
 )
+from vramplan.device.stack import default_stack, older_than_traced
 from vramplan.device.verdict import judge
 from vramplan.result import Component, Estimate, Phase
 from vramplan.trace.events import Allocation, PhaseMark, Trace
@@ -356,6 +357,12 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
             f"no --gpu given: reserved and device totals emulate an {gpu.name} ({gpu.arch}) runtime"
         )
     stack = options.software
+    if older_than_traced(stack):
+        notes.append(
+            f"stack {stack.slug} is older than the PyTorch traced ({default_stack().slug}): "
+            "its zero_grad, optimizer and module-loading defaults are modelled, other "
+            "operator changes between them are not in the range"
+        )
     notes.append(
         f"device total as {options.used_counter} 'used' counts it "
         + (

@@ -76,6 +76,17 @@ class Stack:
         return _version(self.torch) >= _version(rule["set_to_none_from_torch"])
 
 
+def older_than_traced(stack: Stack) -> bool:
+    """Whether ``stack`` emulates a PyTorch older than the installed one, whose operators
+    the trace runs (rules that changed between them and are not modelled stay out of the
+    range: the output says so).
+
+    >>> older_than_traced(Stack("1.10", "11.2"))
+    True
+    """
+    return _version(stack.torch) < _version(default_stack().torch)
+
+
 def _version(text: str) -> tuple[int, ...]:
     parts = []
     for piece in str(text).split(".")[:2]:
