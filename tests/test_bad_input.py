@@ -333,6 +333,7 @@ ESTIMATE_ONLY = [
     ("profile-missing", ["--profile", "{d}/missing-profile.json"], "profile not found"),
     ("stack", ["--stack", "nonsense"], "stack"),
     ("used-counter", ["--used-counter", "nvml-v3"], "used counter"),
+    ("zero-grad", ["--zero-grad", "sometimes"], "unknown zero_grad"),
     ("html-folder-missing", ["--html", "{d}/no/such/folder/r.html"], "does not exist"),
     ("html-over-config", ["--html", "{d}/tiny.json"], "never replaces a .json file"),
     ("html-folder", ["--html", "{d}/empty_folder"], "needs a file path"),
