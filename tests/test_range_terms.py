@@ -91,3 +91,18 @@ def test_a_context_measured_before_the_first_gemm_adds_cublas_images():
     assert bare.peak.device_total_bytes - without.peak.device_total_bytes == high_img
     floor_low, floor_high = bare.details["range"]["terms"]["floor"]
     assert (floor_low, floor_high) == (low_img - high_img, 0)
+
+
+def test_the_verdict_note_names_a_term_that_raises_the_high_end():
+    """On a card sized between the central figure and the high end, the note names what
+    would settle it: here the CUDA context (floor), never fragmentation, which only
+    lowers the low end."""
+    stack = "torch2.5-cu12.4"
+    roomy = _mlp_estimate(device_options(gpu_memory="80GiB", headroom=0.0, stack=stack))
+    low, high = roomy.peak.device_total_range_bytes
+    assert low < roomy.peak.device_total_bytes < high
+    size = (roomy.peak.device_total_bytes + high) // 2
+    tight = _mlp_estimate(device_options(gpu_memory=f"{size}B", headroom=0.0, stack=stack))
+    assert tight.verdict.status == "tight"
+    (note,) = [n for n in tight.notes if "high end of the range passes" in n]
+    assert "CUDA context" in note and "segments" not in note

@@ -406,7 +406,8 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
             high=total_range[1] - counted_reserve,
         )
         if verdict.status != "oom" and total_range[1] - counted_reserve > verdict.usable_bytes:
-            unknown = SETTLES.get(widths["widest"], "the runtime terms")
+            above = max(widths["terms"], key=lambda k: widths["terms"][k][1])
+            unknown = SETTLES.get(above if widths["terms"][above][1] else "", "the runtime terms")
             notes.append(
                 f"the high end of the range passes the usable line; {unknown} would settle "
                 "it: `vramplan calibrate` on the card narrows the range"
