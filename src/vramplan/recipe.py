@@ -99,6 +99,10 @@ class Recipe:
     quantize: str = "none"
     double_quant: bool = False
     compute_dtype: str | None = None
+    # int4 checkpoints (--quantize gptq|awq, sources/int4.py): group size, kernel, act-order.
+    group_size: int | None = None
+    quant_kernel: str | None = None
+    act_order: bool = False
     # Generation (--mode generate, trace/generate.py): prompt, new tokens, cache, beams.
     prompt_len: int | None = None
     new_tokens: int | None = None
@@ -157,6 +161,7 @@ class Recipe:
             object.__setattr__(self, "optimizer", "none")
         _check_optimizer_impl(self)
         _check_finetune(self)
+        _check_int4(self)
         _check_generation(self)
         _check_vision(self)
         _check_model_inputs(self)
@@ -230,6 +235,7 @@ class Recipe:
         for name, default in {
             **FINETUNE_DEFAULTS,
             **GENERATION_DEFAULTS,
+            **INT4_DEFAULTS,
             **VISION_DEFAULTS,
             **TRICK_DEFAULTS,
         }.items():  # absent unless asked for
@@ -279,7 +285,8 @@ def _check_optimizer_impl(recipe: Recipe) -> None:
         )
 
 
-QUANTIZE = ("none", "nf4", "fp4", "int8")
+QUANTIZE = ("none", "nf4", "fp4", "int8", "gptq", "awq")
+BITSANDBYTES = ("nf4", "fp4", "int8")
 COMPUTE_DTYPES = ("bf16", "fp16")
 FINETUNE_DEFAULTS = {
     "lora_rank": 0,
@@ -324,6 +331,34 @@ def _check_finetune(recipe: Recipe) -> None:
         raise UserError("--double-quant and --compute-dtype need --quantize nf4|fp4|int8")
     if recipe.quantize == "int8" and recipe.double_quant:
         raise UserError("--double-quant applies to 4-bit (nf4, fp4) weights, not int8")
+    if recipe.quantize in ("gptq", "awq") and recipe.double_quant:
+        raise UserError("--double-quant is bitsandbytes' (nf4, fp4); gptq/awq store fp16 scales")
+
+
+# -- int4 checkpoints (--quantize gptq|awq) -------------------------------------------------
+
+INT4_DEFAULTS = {"group_size": None, "quant_kernel": None, "act_order": False}
+
+
+def _check_int4(recipe: Recipe) -> None:
+    """Validate the GPTQ/AWQ knobs in place: they need ``--quantize gptq|awq`` and an
+    inference mode (the kernels are modelled for inference only)."""
+    if recipe.quantize not in ("gptq", "awq"):
+        asked = [
+            "--" + name.replace("_", "-")
+            for name, default in INT4_DEFAULTS.items()
+            if getattr(recipe, name) != default
+        ]
+        if asked:
+            raise UserError(f"{', '.join(asked)} need --quantize gptq|awq")
+        return
+    if recipe.mode == "train" or recipe.lora_rank:
+        raise UserError(
+            f"--quantize {recipe.quantize} is modelled for inference: use --mode infer or "
+            "--mode generate (and no LoRA)"
+        )
+    if recipe.quant_kernel is not None:
+        object.__setattr__(recipe, "quant_kernel", str(recipe.quant_kernel).strip().lower())
 
 
 # -- generation (--mode generate) -----------------------------------------------------------

@@ -15,6 +15,7 @@ from vramplan import UserError
 from vramplan.cli.app import app
 from vramplan.cli.config_options import ConfigOpt, OptionalModel, config_lines, with_config
 from vramplan.cli.options import (
+    ActOrderOpt,
     AllocConfOpt,
     BatchSize,
     CheckpointingOpt,
@@ -28,6 +29,7 @@ from vramplan.cli.options import (
     GpuMemoryOpt,
     GpuOpt,
     GradAccum,
+    GroupSizeOpt,
     HeadroomOpt,
     InputShape,
     JsonOpt,
@@ -44,6 +46,7 @@ from vramplan.cli.options import (
     PrecisionOpt,
     ProfileOpt,
     QuantizeOpt,
+    QuantKernelOpt,
     QuietOpt,
     ReshardOpt,
     SeqLen,
@@ -89,6 +92,9 @@ def check_command(
     quantize: QuantizeOpt = "none",
     double_quant: DoubleQuantOpt = False,
     compute_dtype: ComputeDtypeOpt = None,
+    group_size: GroupSizeOpt = None,
+    quant_kernel: QuantKernelOpt = None,
+    act_order: ActOrderOpt = False,
     target: TargetOpt = "cuda",
     gpu: GpuOpt = None,
     gpu_memory: GpuMemoryOpt = None,

@@ -13,6 +13,7 @@ from vramplan.cli.app import app
 from vramplan.cli.config_options import ConfigOpt, OptionalModel, config_lines, with_config
 from vramplan.cli.options import (
     ActivationOffloadOpt,
+    ActOrderOpt,
     AllocConfOpt,
     AllowCustomObjectsOpt,
     AttentionOpt,
@@ -35,6 +36,7 @@ from vramplan.cli.options import (
     GpuMemoryOpt,
     GpuOpt,
     GradAccum,
+    GroupSizeOpt,
     HeadroomOpt,
     HtmlOpt,
     InputShape,
@@ -62,6 +64,7 @@ from vramplan.cli.options import (
     ProfileOpt,
     PromptLenOpt,
     QuantizeOpt,
+    QuantKernelOpt,
     QuietOpt,
     ReshardOpt,
     ResolutionOpt,
@@ -122,6 +125,9 @@ def estimate_command(
     quantize: QuantizeOpt = "none",
     double_quant: DoubleQuantOpt = False,
     compute_dtype: ComputeDtypeOpt = None,
+    group_size: GroupSizeOpt = None,
+    quant_kernel: QuantKernelOpt = None,
+    act_order: ActOrderOpt = False,
     boxes_per_image: BoxesPerImageOpt = 20,
     detection_counts: DetectionCountsOpt = "max",
     resolution: ResolutionOpt = None,

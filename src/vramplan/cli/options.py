@@ -311,7 +311,8 @@ QuantizeOpt = Annotated[
     typer.Option(
         "--quantize",
         help="none | nf4 | fp4 | int8: bitsandbytes' storage of every linear but the output "
-        "head (QLoRA: --quantize nf4 --lora R).",
+        "head (QLoRA: --quantize nf4 --lora R); gptq | awq: an int4 checkpoint as GPT-QModel "
+        "stores and runs it (--mode infer|generate).",
     ),
 ]
 DoubleQuantOpt = Annotated[
@@ -328,6 +329,23 @@ ComputeDtypeOpt = Annotated[
         "half dtype, else bf16).",
     ),
 ]
+# int4 checkpoints (--quantize gptq|awq, sources/int4.py)
+GroupSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--group-size", help="gptq/awq: inputs per scale and zero (default 128; -1: one)."
+    ),
+]
+QuantKernelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--quant-kernel",
+        help="gptq/awq: the kernel that runs them: marlin (default), exllamav2 (gptq), gemm (awq).",
+    ),
+]
+ActOrderOpt = Annotated[
+    bool, typer.Option("--act-order", help="gptq: act-order (desc_act) checkpoint, g_idx kept.")
+]
 
 FINETUNE_OPTIONS = (
     "lora",
@@ -339,6 +357,9 @@ FINETUNE_OPTIONS = (
     "quantize",
     "double_quant",
     "compute_dtype",
+    "group_size",
+    "quant_kernel",
+    "act_order",
 )
 
 

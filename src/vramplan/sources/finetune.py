@@ -25,6 +25,7 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import BuiltModel
+from vramplan.sources.int4 import DEFAULT_GROUP_SIZE, Int4Format, quantize_int4_linears
 from vramplan.sources.loss import loss_run
 from vramplan.sources.quantized import quantize_linears
 
@@ -150,7 +151,11 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
         return built
     model = built.model
     notes = list(built.notes)
-    if recipe.quantize != "none":
+    if recipe.quantize in ("gptq", "awq"):
+        if device != "meta":
+            raise UserError("--quantize is modelled on the meta device only; it cannot be run")
+        notes.append(_quantize_int4(model, recipe, built.name))
+    elif recipe.quantize != "none":
         if device != "meta":
             raise UserError("--quantize is modelled on the meta device only; it cannot be run")
         dtype = compute_dtype_for(recipe)
@@ -185,6 +190,27 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
     built.model = model
     built.notes = notes
     return built
+
+
+def _quantize_int4(model: nn.Module, recipe: Recipe, name: str) -> str:
+    """Replace the linears with GPTQ/AWQ int4 layers (``sources/int4.py``); the note."""
+    fmt = Int4Format(
+        recipe.quantize,
+        group_size=recipe.group_size or DEFAULT_GROUP_SIZE,
+        kernel=recipe.quant_kernel or "marlin",
+        act_order=recipe.act_order,
+    )
+    dtype = compute_dtype_for(recipe)
+    count = quantize_int4_linears(model, fmt, dtype, _output_head(model))
+    if count == 0:
+        raise UserError(f"--quantize {recipe.quantize}: {name} has no linear layer")
+    order = ", act-order" if fmt.act_order else ""
+    return (
+        f"quantized {fmt.method} int4: {count} linear layers (packed int32 weights and zeros, "
+        f"fp16 scales per {fmt.group_size} inputs{order}; output head kept), run by "
+        f"GPT-QModel's {fmt.kernel} kernel in {str(dtype).removeprefix('torch.')}: the "
+        "layouts and kernel buffers modelled, not the kernels themselves"
+    )
 
 
 def _target_names(model: nn.Module) -> str:
