@@ -99,6 +99,7 @@ class Recipe:
     quantize: str = "none"
     double_quant: bool = False
     compute_dtype: str | None = None
+    bnb_version: str | None = None
     # int4 checkpoints (--quantize gptq|awq, sources/int4.py): group size, kernel, act-order.
     group_size: int | None = None
     quant_kernel: str | None = None
@@ -287,7 +288,7 @@ def _check_optimizer_impl(recipe: Recipe) -> None:
 
 QUANTIZE = ("none", "nf4", "fp4", "int8", "gptq", "awq")
 BITSANDBYTES = ("nf4", "fp4", "int8")
-COMPUTE_DTYPES = ("bf16", "fp16")
+COMPUTE_DTYPES = ("bf16", "fp16", "fp32")
 FINETUNE_DEFAULTS = {
     "lora_rank": 0,
     "lora_alpha": None,
@@ -298,6 +299,7 @@ FINETUNE_DEFAULTS = {
     "quantize": "none",
     "double_quant": False,
     "compute_dtype": None,
+    "bnb_version": None,
 }
 
 
@@ -331,8 +333,24 @@ def _check_finetune(recipe: Recipe) -> None:
         raise UserError("--double-quant and --compute-dtype need --quantize nf4|fp4|int8")
     if recipe.quantize == "int8" and recipe.double_quant:
         raise UserError("--double-quant applies to 4-bit (nf4, fp4) weights, not int8")
+    if recipe.bnb_version is not None:
+        _check_bnb_version(recipe)
     if recipe.quantize in ("gptq", "awq") and recipe.double_quant:
         raise UserError("--double-quant is bitsandbytes' (nf4, fp4); gptq/awq store fp16 scales")
+
+
+def _check_bnb_version(recipe: Recipe) -> None:
+    """``--bnb-version MAJOR.MINOR``: the bitsandbytes release whose 4-bit matmul is
+    emulated (``sources/quantized.py``); it needs 4-bit weights."""
+    text = str(recipe.bnb_version).strip()
+    parts = text.split(".")
+    if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+        raise UserError(f"--bnb-version {text!r}: give a release such as 0.41 or 0.50")
+    if recipe.quantize not in ("nf4", "fp4"):
+        raise UserError(
+            "--bnb-version changes how 4-bit weights dequantize: add --quantize nf4|fp4"
+        )
+    object.__setattr__(recipe, "bnb_version", ".".join(parts[:2]))
 
 
 # -- int4 checkpoints (--quantize gptq|awq) -------------------------------------------------

@@ -325,10 +325,19 @@ ComputeDtypeOpt = Annotated[
     str | None,
     typer.Option(
         "--compute-dtype",
-        help="bf16 | fp16: dtype the quantized layers dequantize to (default: the precision's "
-        "half dtype, else bf16).",
+        help="bf16 | fp16 | fp32: dtype the quantized layers dequantize to (default: the "
+        "precision's half dtype, else bf16; transformers' BitsAndBytesConfig default is fp32).",
     ),
 ]
+BnbVersionOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--bnb-version",
+        help="4-bit: the bitsandbytes release emulated (default 0.50; before it, weights "
+        "dequantize in their own dtype and are then cast to the compute dtype).",
+    ),
+]
+
 # int4 checkpoints (--quantize gptq|awq, sources/int4.py)
 GroupSizeOpt = Annotated[
     int | None,
@@ -357,6 +366,7 @@ FINETUNE_OPTIONS = (
     "quantize",
     "double_quant",
     "compute_dtype",
+    "bnb_version",
     "group_size",
     "quant_kernel",
     "act_order",

@@ -27,14 +27,16 @@ from vramplan.recipe import Recipe
 from vramplan.sources.base import BuiltModel
 from vramplan.sources.int4 import DEFAULT_GROUP_SIZE, Int4Format, quantize_int4_linears
 from vramplan.sources.loss import loss_run
-from vramplan.sources.quantized import quantize_linears
+from vramplan.sources.quantized import dequantized_dtype, quantize_linears
 
 _TASK_TYPES = {
     "causal-lm": "CAUSAL_LM",
     "seq2seq": "SEQ_2_SEQ_LM",
     "sequence-classification": "SEQ_CLS",
 }
-_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+_WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def wants_finetune(recipe: Recipe) -> bool:
@@ -160,7 +162,12 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
             raise UserError("--quantize is modelled on the meta device only; it cannot be run")
         dtype = compute_dtype_for(recipe)
         count = quantize_linears(
-            model, recipe.quantize, recipe.double_quant, dtype, _output_head(model)
+            model,
+            recipe.quantize,
+            recipe.double_quant,
+            dtype,
+            _output_head(model),
+            dequantized_dtype(recipe.bnb_version, _WEIGHT_DTYPES[recipe.param_dtype_name]),
         )
         if count == 0:
             raise UserError(f"--quantize {recipe.quantize}: {built.name} has no linear layer")
