@@ -109,6 +109,10 @@ class Recipe:
     new_tokens: int | None = None
     cache: str = "dynamic"
     num_beams: int = 1
+    # Quantized KV cache (--cache quanto|hqq|fp8, sources/kv_quant.py): None: transformers'.
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+    kv_residual_length: int | None = None
     # Vision tasks (sources/detection.py): targets per image and the data-dependent counts.
     boxes_per_image: int = 20
     detection_counts: str = "max"
@@ -381,8 +385,17 @@ def _check_int4(recipe: Recipe) -> None:
 
 # -- generation (--mode generate) -----------------------------------------------------------
 
-CACHES = ("dynamic", "static")
-GENERATION_DEFAULTS = {"prompt_len": None, "new_tokens": None, "cache": "dynamic", "num_beams": 1}
+CACHES = ("dynamic", "static", "quanto", "hqq", "fp8")
+QUANTIZED_CACHES = ("quanto", "hqq", "fp8")
+GENERATION_DEFAULTS = {
+    "prompt_len": None,
+    "new_tokens": None,
+    "cache": "dynamic",
+    "num_beams": 1,
+    "kv_bits": None,
+    "kv_group_size": None,
+    "kv_residual_length": None,
+}
 DEFAULT_NEW_TOKENS = 256
 
 
@@ -409,6 +422,13 @@ def _check_generation(recipe: Recipe) -> None:
         if getattr(recipe, name) is not None:
             _positive(getattr(recipe, name), name.replace("_", " "))
     _positive(recipe.num_beams, "the number of beams")
+    kv_knobs = {n: getattr(recipe, n) for n in ("kv_bits", "kv_group_size", "kv_residual_length")}
+    asked_kv = ["--" + n.replace("_", "-") for n, v in kv_knobs.items() if v is not None]
+    for name, value in kv_knobs.items():
+        if value is not None:
+            _positive(value, "--" + name.replace("_", "-"))
+    if asked_kv and recipe.cache in ("dynamic", "static", "fp8"):
+        raise UserError(f"{', '.join(asked_kv)} need --cache quanto|hqq")
     if recipe.prompt_len is not None and recipe.seq_len not in (None, recipe.prompt_len):
         raise UserError(
             f"--seq-len {recipe.seq_len} and --prompt-len {recipe.prompt_len}: give one "

@@ -461,13 +461,35 @@ CacheOpt = Annotated[
     typer.Option(
         "--cache",
         help="--mode generate: dynamic (DynamicCache, grown by torch.cat) | static "
-        "(StaticCache sized to prompt + new tokens).",
+        "(StaticCache sized to prompt + new tokens) | quanto | hqq | fp8 (QuantizedCache).",
     ),
 ]
 NumBeamsOpt = Annotated[
     int, typer.Option("--num-beams", help="--mode generate: beams per prompt (beam search).")
 ]
-GENERATION_OPTIONS = ("prompt_len", "new_tokens", "cache", "num_beams")
+KvBitsOpt = Annotated[
+    int | None, typer.Option("--kv-bits", help="--cache quanto|hqq: bits per value (default 4).")
+]
+KvGroupSizeOpt = Annotated[
+    int | None,
+    typer.Option("--kv-group-size", help="--cache quanto|hqq: values per scale (default 64)."),
+]
+KvResidualOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--kv-residual-length",
+        help="--cache quanto|hqq: tokens kept in full precision (default 128).",
+    ),
+]
+GENERATION_OPTIONS = (
+    "prompt_len",
+    "new_tokens",
+    "cache",
+    "num_beams",
+    "kv_bits",
+    "kv_group_size",
+    "kv_residual_length",
+)
 
 
 def generation_from_options(options: dict) -> dict:

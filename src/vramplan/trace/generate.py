@@ -31,6 +31,14 @@ from vramplan.recipe import DEFAULT_NEW_TOKENS, Recipe
 from vramplan.result import Component, Phase
 from vramplan.sources.base import BuiltModel
 from vramplan.sources.generation import cache_layers
+from vramplan.sources.kv_quant import (
+    DEFAULTS as KV_DEFAULTS,
+)
+from vramplan.sources.kv_quant import (
+    KvQuantization,
+    quantized,
+    quantized_storages,
+)
 from vramplan.trace.events import Trace
 from vramplan.trace.policy import DevicePolicy
 from vramplan.trace.recorder import AllocationRecorder, StorageRecord
@@ -57,6 +65,8 @@ class GenerationShape:
     prompt: int
     new_tokens: int
     cache: str
+    kv: KvQuantization | None = None
+    """The quantized cache's backend and settings (None: a dynamic or static cache)."""
 
     @property
     def final_cache_len(self) -> int:
@@ -72,11 +82,20 @@ class GenerationShape:
 def generation_shape(recipe: Recipe) -> GenerationShape:
     """The shape of the generate call a ``--mode generate`` recipe describes."""
     prompt = recipe.prompt_len or recipe.seq_len or DEFAULT_PROMPT
+    kv = None
+    if recipe.cache not in ("dynamic", "static"):
+        kv = KvQuantization(
+            recipe.cache,
+            nbits=recipe.kv_bits or KV_DEFAULTS["nbits"],
+            q_group_size=recipe.kv_group_size or KV_DEFAULTS["q_group_size"],
+            residual_length=recipe.kv_residual_length or KV_DEFAULTS["residual_length"],
+        )
     return GenerationShape(
         sequences=recipe.batch_size * recipe.num_beams,
         prompt=prompt,
         new_tokens=recipe.new_tokens or DEFAULT_NEW_TOKENS,
         cache=recipe.cache,
+        kv=kv,
     )
 
 
@@ -112,7 +131,8 @@ def _stored(window: int | None, seen: int) -> int:
 
 def _tag_cache(recorder: AllocationRecorder, cache: Any) -> None:
     for layer in cache_layers(cache):
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+        held = (getattr(layer, "keys", None), getattr(layer, "values", None))
+        for tensor in (*held, *quantized_storages(layer)):
             if isinstance(tensor, torch.Tensor):
                 record = recorder.record_for(tensor)
                 if record is not None:
@@ -192,6 +212,50 @@ def grow_cache(recorder: AllocationRecorder, cache: Any, lengths: list[int]) -> 
     return []
 
 
+def quantized_split(kv: KvQuantization, prompt: int, seen: int) -> tuple[int, int]:
+    """(quantized, full-precision) tokens a quantized layer holds once it has seen
+    ``seen`` tokens: the prefill quantizes the prompt; each decode step adds one token to
+    the residual, and the step that fills it to ``residual_length`` quantizes everything.
+
+    >>> quantized_split(KvQuantization("quanto", residual_length=128), 100, 400)
+    (356, 44)
+    >>> quantized_split(KvQuantization("fp8"), 100, 400)
+    (400, 0)
+    """
+    if kv.backend == "fp8":
+        return seen, 0
+    residual = (seen - prompt) % kv.residual_length
+    return seen - residual, residual
+
+
+def set_quantized_cache(cache: Any, kv: KvQuantization, prompt: int, seen: int) -> list[str]:
+    """Put every quantized layer in the state it has after ``seen`` tokens (the decode
+    steps before the last are not replayed one by one); returns notes."""
+    packed, residual = quantized_split(kv, prompt, seen)
+    for layer in cache_layers(cache):
+        batch, heads, _, dim = (
+            layer._quantized_keys.shape if kv.backend != "fp8" else layer._quantized_keys[0].shape
+        )
+        dtype = layer.dtype
+        shape = (batch, heads, packed, dim)
+        if kv.backend == "fp8":
+            for name in ("_quantized_keys", "_quantized_values"):
+                values, scale = getattr(layer, name)
+                setattr(layer, name, (torch.empty(shape, dtype=values.dtype), scale))
+        else:
+            layer._quantized_keys = quantized(kv, shape, dtype)
+            layer._quantized_values = quantized(kv, shape, dtype)
+            layer.keys = torch.empty(batch, heads, residual, dim, dtype=dtype)
+            layer.values = torch.empty(batch, heads, residual, dim, dtype=dtype)
+        layer.cumulative_length = seen
+    window = "" if kv.backend == "fp8" else f", {residual} in full precision"
+    return [
+        f"{kv.backend} KV cache: {packed} tokens quantized{window} before the last decode "
+        "step (set at once; the re-quantizations before it are not replayed; the "
+        "backend's own temporaries while quantizing are not modelled)"
+    ]
+
+
 def _next_token(output: Any) -> torch.Tensor:
     """What generate keeps of an output: the last position's logits copied to fp32."""
     logits = output.logits if hasattr(output, "logits") else output[0]
@@ -226,7 +290,7 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
         phase(PREFILL)
         ids = torch.randint(0, generator.vocab_size, (shape.sequences, shape.prompt))
         session.tag_inputs(ids)
-        cache = generator.new_cache(shape.cache, shape.final_cache_len)
+        cache = generator.new_cache(shape.cache, shape.final_cache_len, shape.kv)
         with torch.no_grad(), policy.autocast(recipe):
             output = generator.forward(model, ids, cache, 0)
             logits = _next_token(output)
@@ -238,6 +302,8 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
             if shape.cache == "dynamic":
                 lengths = growth_lengths(shape.prompt, before)
                 session.notes.extend(grow_cache(recorder, cache, lengths))
+            elif shape.kv is not None:
+                session.notes.extend(set_quantized_cache(cache, shape.kv, shape.prompt, before))
             token = torch.randint(0, generator.vocab_size, (shape.sequences, 1))
             with torch.no_grad(), policy.autocast(recipe):
                 output = generator.forward(model, token, cache, before)
