@@ -172,10 +172,15 @@ def _slots(cache: Any) -> list[_Slot]:
     return slots
 
 
-def grow_cache(recorder: AllocationRecorder, cache: Any, lengths: list[int]) -> list[str]:
+def grow_cache(
+    recorder: AllocationRecorder, cache: Any, lengths: list[int], reorder: bool = False
+) -> list[str]:
     """Record a dynamic cache growing through ``lengths`` (tokens seen after each step):
     per step and layer, the keys' new block then the old one freed, then the values'.
-    The last step leaves real (fake) tensors in the cache; returns notes."""
+    With ``reorder`` (beam search), every step ends with generate's ``reorder_cache``:
+    each layer's keys and values ``index_select``-ed into a new block of the same size,
+    the old one freed (``DynamicLayer.reorder_cache``). The last step leaves real (fake)
+    tensors in the cache; returns notes."""
     slots = _slots(cache)
     if not lengths or not slots:
         return []
@@ -200,6 +205,8 @@ def grow_cache(recorder: AllocationRecorder, cache: Any, lengths: list[int]) -> 
             visible = stored if window is None else min(stored, window - 1)
             setattr(slot.layer, slot.name, full[:, :, stored - visible :, :])
             del full
+        if reorder:
+            _reorder(recorder, slots, held, last=step == len(lengths))
         for layer in {id(s.layer): s.layer for s in slots}.values():
             if _window(layer) is not None:
                 layer.cumulative_length = seen
@@ -210,6 +217,25 @@ def grow_cache(recorder: AllocationRecorder, cache: Any, lengths: list[int]) -> 
             "(not one token at a time)"
         ]
     return []
+
+
+def _reorder(
+    recorder: AllocationRecorder, slots: list[_Slot], held: dict[int, StorageRecord], last: bool
+) -> None:
+    """One ``reorder_cache``: per layer, the keys then the values copied by
+    ``index_select`` and the old block freed (real tensors at the ``last`` step)."""
+    for index, slot in enumerate(slots):
+        if last:
+            old = getattr(slot.layer, slot.name)
+            copy = torch.empty_like(old, memory_format=torch.contiguous_format)
+            recorder.record_for(copy).tags.add(Component.KV_CACHE)
+            setattr(slot.layer, slot.name, copy)
+            del old, copy
+            continue
+        record = recorder.note_alloc(held[index].nbytes, "index_select")
+        record.tags.add(Component.KV_CACHE)
+        recorder.note_free(held[index])
+        held[index] = record
 
 
 def quantized_split(kv: KvQuantization, prompt: int, seen: int) -> tuple[int, int]:
@@ -301,7 +327,8 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
             before = shape.final_cache_len - 1
             if shape.cache == "dynamic":
                 lengths = growth_lengths(shape.prompt, before)
-                session.notes.extend(grow_cache(recorder, cache, lengths))
+                beams = recipe.num_beams > 1
+                session.notes.extend(grow_cache(recorder, cache, lengths, reorder=beams))
             elif shape.kv is not None:
                 session.notes.extend(set_quantized_cache(cache, shape.kv, shape.prompt, before))
             token = torch.randint(0, generator.vocab_size, (shape.sequences, 1))
@@ -330,8 +357,10 @@ def generation_notes(recipe: Recipe, shape: GenerationShape, keeps_last: bool) -
     if recipe.num_beams > 1:
         notes.append(
             f"beam search: {recipe.num_beams} beams per prompt run as {shape.sequences} "
-            "sequences; the cache's per-step reorder (an index_select of each layer) is "
-            "not replayed"
+            "sequences; the cache's per-step reorder (an index_select of each layer) "
+            "replayed with its growth"
+            + ("" if recipe.cache == "dynamic" else " (dynamic cache only)")
+            + "; the beam scorer's own tensors are not modelled"
         )
     return notes
 
