@@ -49,7 +49,7 @@ def main() -> None:
         )
     print("\n| vLLM, Llama-3-8B, H100, 0.9, 8192 | weights GiB | KV cache GiB | tokens |")
     print("| --- | ---: | ---: | ---: |")
-    for quantize in ("none", "gptq", "awq"):
+    for quantize in ("none", "gptq", "awq", "fp8"):
         plan = vramplan.serve(
             "hf:meta-llama-3-8b", gpu="h100", max_model_len=8192, precision="fp16",
             quantize=quantize,

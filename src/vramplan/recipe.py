@@ -290,7 +290,7 @@ def _check_optimizer_impl(recipe: Recipe) -> None:
         )
 
 
-QUANTIZE = ("none", "nf4", "fp4", "int8", "gptq", "awq")
+QUANTIZE = ("none", "nf4", "fp4", "int8", "gptq", "awq", "fp8")
 BITSANDBYTES = ("nf4", "fp4", "int8")
 COMPUTE_DTYPES = ("bf16", "fp16", "fp32")
 FINETUNE_DEFAULTS = {
@@ -339,8 +339,8 @@ def _check_finetune(recipe: Recipe) -> None:
         raise UserError("--double-quant applies to 4-bit (nf4, fp4) weights, not int8")
     if recipe.bnb_version is not None:
         _check_bnb_version(recipe)
-    if recipe.quantize in ("gptq", "awq") and recipe.double_quant:
-        raise UserError("--double-quant is bitsandbytes' (nf4, fp4); gptq/awq store fp16 scales")
+    if recipe.quantize in ("gptq", "awq", "fp8") and recipe.double_quant:
+        raise UserError("--double-quant is bitsandbytes' (nf4, fp4); gptq/awq/fp8 do not take it")
 
 
 def _check_bnb_version(recipe: Recipe) -> None:
@@ -365,6 +365,10 @@ INT4_DEFAULTS = {"group_size": None, "quant_kernel": None, "act_order": False}
 def _check_int4(recipe: Recipe) -> None:
     """Validate the GPTQ/AWQ knobs in place: they need ``--quantize gptq|awq`` and an
     inference mode (the kernels are modelled for inference only)."""
+    if recipe.quantize == "fp8" and (recipe.mode == "train" or recipe.lora_rank):
+        raise UserError(
+            "--quantize fp8 is modelled for inference: use --mode infer or --mode generate"
+        )
     if recipe.quantize not in ("gptq", "awq"):
         asked = [
             "--" + name.replace("_", "-")

@@ -312,7 +312,7 @@ QuantizeOpt = Annotated[
         "--quantize",
         help="none | nf4 | fp4 | int8: bitsandbytes' storage of every linear but the output "
         "head (QLoRA: --quantize nf4 --lora R); gptq | awq: an int4 checkpoint as GPT-QModel "
-        "stores and runs it (--mode infer|generate).",
+        "stores and runs it; fp8: transformers' fine-grained FP8 (--mode infer|generate).",
     ),
 ]
 DoubleQuantOpt = Annotated[

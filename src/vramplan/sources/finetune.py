@@ -25,6 +25,7 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import BuiltModel
+from vramplan.sources.fp8_weights import quantize_fp8_linears
 from vramplan.sources.int4 import DEFAULT_GROUP_SIZE, Int4Format, quantize_int4_linears
 from vramplan.sources.loss import loss_run
 from vramplan.sources.quantized import dequantized_dtype, quantize_linears
@@ -157,6 +158,16 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
         if device != "meta":
             raise UserError("--quantize is modelled on the meta device only; it cannot be run")
         notes.append(_quantize_int4(model, recipe, built.name))
+    elif recipe.quantize == "fp8":
+        if device != "meta":
+            raise UserError("--quantize is modelled on the meta device only; it cannot be run")
+        if quantize_fp8_linears(model, _output_head(model)) == 0:
+            raise UserError(f"--quantize fp8: {built.name} has no linear layer")
+        notes.append(
+            "quantized fp8: every linear but the output head as transformers' fine-grained "
+            "FP8 (e4m3 weights, fp32 scales per 128 x 128 block; fused activation "
+            "quantization in the matmul)"
+        )
     elif recipe.quantize != "none":
         if device != "meta":
             raise UserError("--quantize is modelled on the meta device only; it cannot be run")
