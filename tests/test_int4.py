@@ -176,3 +176,9 @@ def test_bad_int4_flags_are_one_line(llama, run_cli, flags, message):
     code, _, err = run_cli("estimate", llama, *flags)
     assert code == 2
     assert message in err and "Traceback" not in err
+
+
+def test_serve_takes_the_checkpoints_vllm_loads(llama, run_cli):
+    code, _, err = run_cli("serve", llama, "--gpu", "h100", "--quantize", "nf4")
+    assert code == 2
+    assert "gptq, awq or fp8" in err and "Traceback" not in err

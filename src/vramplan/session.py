@@ -298,6 +298,8 @@ class Session:
         serve_options = ServeOptions(**options, dtype=precision)
         if self.device.gpu is None:
             raise UserError("serve needs a card (--gpu): the engine's budget is a share of it")
+        if weights.get("quantize", "none") not in ("none", "gptq", "awq", "fp8"):
+            raise UserError("serve --quantize takes gptq, awq or fp8 (the checkpoints vLLM loads)")
         if weights.get("quantize", "none") != "none":  # the kernels compute in this dtype
             weights["precision"] = precision
         built = self._build(Recipe(mode="infer", **weights))
