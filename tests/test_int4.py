@@ -70,7 +70,7 @@ def test_checkpoint_bytes_are_four_bits_a_weight_plus_group_statistics(
 ):
     fmt = Int4Format(method, group_size=group)
     linear = nn.Linear(in_features, out_features, bias=False, device="meta")
-    layer = PackedInt4Linear(linear, method, fmt)
+    layer = PackedInt4Linear(linear, fmt)
     size = in_features if group == -1 else group
     assert layer.checkpoint_bytes() * 8 == _bits(in_features, out_features, size, method)
 
@@ -79,7 +79,7 @@ def test_awq_layout_matches_autoawq_gemm_module():
     """AutoAWQ's own ``WQLinear_GEMM`` (where autoawq imports) registers the same tensors."""
     gemm = pytest.importorskip("awq.modules.linear.gemm")
     theirs = gemm.WQLinear_GEMM(4, 128, 256, 512, False, "cpu")
-    ours = PackedInt4Linear(nn.Linear(256, 512, bias=False, device="meta"), "awq")
+    ours = PackedInt4Linear(nn.Linear(256, 512, bias=False, device="meta"), Int4Format("awq"))
     for name in ("qweight", "qzeros", "scales"):
         assert getattr(ours, name).shape == getattr(theirs, name).shape, name
         assert getattr(ours, name).dtype == getattr(theirs, name).dtype, name

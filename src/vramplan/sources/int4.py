@@ -35,7 +35,8 @@ What the kernel keeps and allocates beside them (``kernel``):
 The SM count is taken as 132 (an H100 SXM): the workspace and the fp32 reduction buffer
 depend on it (6.75 MiB of reduction buffer on an A100's 108 SMs, 8.25 MiB on 132).
 
->>> layer = PackedInt4Linear(nn.Linear(4096, 11008, bias=False, device="meta"), "gptq")
+>>> linear = nn.Linear(4096, 11008, bias=False, device="meta")
+>>> layer = PackedInt4Linear(linear, Int4Format("gptq"))
 >>> layer.checkpoint_bytes()  # 22,544,384 packed + 176,128 zeros + 704,512 scales + 16,384 g_idx
 23441408
 """
@@ -181,14 +182,10 @@ class PackedInt4Linear(nn.Module):
     (inference only: these kernels train nothing here)."""
 
     def __init__(
-        self,
-        linear: nn.Linear,
-        method: str,
-        fmt: Int4Format | None = None,
-        compute_dtype: torch.dtype = torch.float16,
+        self, linear: nn.Linear, fmt: Int4Format, compute_dtype: torch.dtype = torch.float16
     ) -> None:
         super().__init__()
-        self.fmt = fmt or Int4Format(method)
+        self.fmt = fmt
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.compute_dtype = compute_dtype
@@ -299,7 +296,7 @@ def quantize_int4_linears(
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and id(child) not in skip:
-                layer = PackedInt4Linear(child, fmt.method, fmt, compute_dtype)
+                layer = PackedInt4Linear(child, fmt, compute_dtype)
                 setattr(parent, name, layer)
                 replaced.append(layer)
     if replaced and fmt.kernel == "exllamav2":
