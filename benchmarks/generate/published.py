@@ -7,7 +7,10 @@ by CI):
   2048 new tokens: ``torch.cuda.max_memory_allocated`` about 14.4 / 16.9 / 20.0 GiB for
   S = 2049 / 16384 / 32768 (issue 21).
 - bigcode/octocoder ``pipeline(..., max_new_tokens=60)`` on a ~20-token prompt, bf16
-  and 4-bit bitsandbytes (rows 93 and 95 of /work/shared/validation/published.csv).
+  and 4-bit bitsandbytes (rows 93 and 95 of /work/shared/validation/published.csv). The
+  4-bit row ran ``load_in_4bit=True`` on transformers ~4.33 and bitsandbytes ~0.41: fp4,
+  compute dtype float32 (``BitsAndBytesConfig``'s default when none is given), and 0.41's
+  ``MatMul4Bit`` dequantizing to fp16 before casting to the compute dtype.
 - ``vllm serve`` of Llama-3-8B on an H100 at 0.9 utilization: weights 14.96 GiB, KV cache
   about 53 GiB (issue 21), and the llm-d H100 table (Llama-3.1-8B: weights 14.99,
   activation 4.76, non-torch 0.13, KV cache 51.38 GiB; llm-d/llm-d-benchmark
@@ -34,7 +37,9 @@ GENERATE = [
         "octocoder 4-bit (row 95)",
         OCTOCODER,
         "a100-40gb",
-        dict(prompt_len=20, new_tokens=60, quantize="fp4", compute_dtype="fp16"),
+        dict(
+            prompt_len=20, new_tokens=60, quantize="fp4", compute_dtype="fp32", bnb_version="0.41"
+        ),
         9.544,
     ),
 ]

@@ -99,11 +99,20 @@ class Recipe:
     quantize: str = "none"
     double_quant: bool = False
     compute_dtype: str | None = None
+    bnb_version: str | None = None
+    # int4 checkpoints (--quantize gptq|awq, sources/int4.py): group size, kernel, act-order.
+    group_size: int | None = None
+    quant_kernel: str | None = None
+    act_order: bool = False
     # Generation (--mode generate, trace/generate.py): prompt, new tokens, cache, beams.
     prompt_len: int | None = None
     new_tokens: int | None = None
     cache: str = "dynamic"
     num_beams: int = 1
+    # Quantized KV cache (--cache quanto|hqq|fp8, sources/kv_quant.py): None: transformers'.
+    kv_bits: int | None = None
+    kv_group_size: int | None = None
+    kv_residual_length: int | None = None
     # Vision tasks (sources/detection.py): targets per image and the data-dependent counts.
     boxes_per_image: int = 20
     detection_counts: str = "max"
@@ -160,6 +169,7 @@ class Recipe:
             object.__setattr__(self, "optimizer", "none")
         _check_optimizer_impl(self)
         _check_finetune(self)
+        _check_int4(self)
         _check_generation(self)
         _check_vision(self)
         _check_model_inputs(self)
@@ -236,6 +246,7 @@ class Recipe:
         for name, default in {
             **FINETUNE_DEFAULTS,
             **GENERATION_DEFAULTS,
+            **INT4_DEFAULTS,
             **VISION_DEFAULTS,
             **TRICK_DEFAULTS,
         }.items():  # absent unless asked for
@@ -285,8 +296,9 @@ def _check_optimizer_impl(recipe: Recipe) -> None:
         )
 
 
-QUANTIZE = ("none", "nf4", "fp4", "int8")
-COMPUTE_DTYPES = ("bf16", "fp16")
+QUANTIZE = ("none", "nf4", "fp4", "int8", "gptq", "awq", "fp8")
+BITSANDBYTES = ("nf4", "fp4", "int8")
+COMPUTE_DTYPES = ("bf16", "fp16", "fp32")
 FINETUNE_DEFAULTS = {
     "lora_rank": 0,
     "lora_alpha": None,
@@ -297,6 +309,7 @@ FINETUNE_DEFAULTS = {
     "quantize": "none",
     "double_quant": False,
     "compute_dtype": None,
+    "bnb_version": None,
 }
 
 
@@ -330,12 +343,69 @@ def _check_finetune(recipe: Recipe) -> None:
         raise UserError("--double-quant and --compute-dtype need --quantize nf4|fp4|int8")
     if recipe.quantize == "int8" and recipe.double_quant:
         raise UserError("--double-quant applies to 4-bit (nf4, fp4) weights, not int8")
+    if recipe.bnb_version is not None:
+        _check_bnb_version(recipe)
+    if recipe.quantize in ("gptq", "awq", "fp8") and recipe.double_quant:
+        raise UserError("--double-quant is bitsandbytes' (nf4, fp4); gptq/awq/fp8 do not take it")
+
+
+def _check_bnb_version(recipe: Recipe) -> None:
+    """``--bnb-version MAJOR.MINOR``: the bitsandbytes release whose 4-bit matmul is
+    emulated (``sources/quantized.py``); it needs 4-bit weights."""
+    text = str(recipe.bnb_version).strip()
+    parts = text.split(".")
+    if len(parts) < 2 or not all(p.isdigit() for p in parts[:2]):
+        raise UserError(f"--bnb-version {text!r}: give a release such as 0.41 or 0.50")
+    if recipe.quantize not in ("nf4", "fp4"):
+        raise UserError(
+            "--bnb-version changes how 4-bit weights dequantize: add --quantize nf4|fp4"
+        )
+    object.__setattr__(recipe, "bnb_version", ".".join(parts[:2]))
+
+
+# -- int4 checkpoints (--quantize gptq|awq) -------------------------------------------------
+
+INT4_DEFAULTS = {"group_size": None, "quant_kernel": None, "act_order": False}
+
+
+def _check_int4(recipe: Recipe) -> None:
+    """Validate the GPTQ/AWQ knobs in place: they need ``--quantize gptq|awq`` and an
+    inference mode (the kernels are modelled for inference only)."""
+    if recipe.quantize == "fp8" and (recipe.mode == "train" or recipe.lora_rank):
+        raise UserError(
+            "--quantize fp8 is modelled for inference: use --mode infer or --mode generate"
+        )
+    if recipe.quantize not in ("gptq", "awq"):
+        asked = [
+            "--" + name.replace("_", "-")
+            for name, default in INT4_DEFAULTS.items()
+            if getattr(recipe, name) != default
+        ]
+        if asked:
+            raise UserError(f"{', '.join(asked)} need --quantize gptq|awq")
+        return
+    if recipe.mode == "train" or recipe.lora_rank:
+        raise UserError(
+            f"--quantize {recipe.quantize} is modelled for inference: use --mode infer or "
+            "--mode generate (and no LoRA)"
+        )
+    if recipe.quant_kernel is not None:
+        object.__setattr__(recipe, "quant_kernel", str(recipe.quant_kernel).strip().lower())
 
 
 # -- generation (--mode generate) -----------------------------------------------------------
 
-CACHES = ("dynamic", "static")
-GENERATION_DEFAULTS = {"prompt_len": None, "new_tokens": None, "cache": "dynamic", "num_beams": 1}
+CACHES = ("dynamic", "static", "quanto", "hqq", "fp8")
+QUANTIZED_CACHES = ("quanto", "hqq", "fp8")
+GENERATION_DEFAULTS = {
+    "prompt_len": None,
+    "new_tokens": None,
+    "cache": "dynamic",
+    "num_beams": 1,
+    "kv_bits": None,
+    "kv_group_size": None,
+    "kv_residual_length": None,
+}
 DEFAULT_NEW_TOKENS = 256
 
 
@@ -362,6 +432,13 @@ def _check_generation(recipe: Recipe) -> None:
         if getattr(recipe, name) is not None:
             _positive(getattr(recipe, name), name.replace("_", " "))
     _positive(recipe.num_beams, "the number of beams")
+    kv_knobs = {n: getattr(recipe, n) for n in ("kv_bits", "kv_group_size", "kv_residual_length")}
+    asked_kv = ["--" + n.replace("_", "-") for n, v in kv_knobs.items() if v is not None]
+    for name, value in kv_knobs.items():
+        if value is not None:
+            _positive(value, "--" + name.replace("_", "-"))
+    if asked_kv and recipe.cache in ("dynamic", "static", "fp8"):
+        raise UserError(f"{', '.join(asked_kv)} need --cache quanto|hqq")
     if recipe.prompt_len is not None and recipe.seq_len not in (None, recipe.prompt_len):
         raise UserError(
             f"--seq-len {recipe.seq_len} and --prompt-len {recipe.prompt_len}: give one "

@@ -286,6 +286,11 @@ class Session:
         """What a serving engine (vLLM) reserves on this session's card and the KV cache
         left: ``gpu_memory_utilization``, ``max_model_len``, ``tp``, ``max_num_seqs``,
         ``max_num_batched_tokens``, ``kv_cache_dtype``, ``block_size`` as its flags."""
+        weights = {  # quantized checkpoints: --quantize gptq|awq and their knobs
+            name: options.pop(name)
+            for name in ("quantize", "group_size", "quant_kernel", "act_order")
+            if name in options
+        }
         allowed = set(ServeOptions.__dataclass_fields__) - {"dtype"}  # given as precision
         unknown = sorted(set(options) - allowed)
         if unknown:
@@ -293,7 +298,11 @@ class Session:
         serve_options = ServeOptions(**options, dtype=precision)
         if self.device.gpu is None:
             raise UserError("serve needs a card (--gpu): the engine's budget is a share of it")
-        built = self._build(Recipe(mode="infer"))
+        if weights.get("quantize", "none") not in ("none", "gptq", "awq", "fp8"):
+            raise UserError("serve --quantize takes gptq, awq or fp8 (the checkpoints vLLM loads)")
+        if weights.get("quantize", "none") != "none":  # the kernels compute in this dtype
+            weights["precision"] = precision
+        built = self._build(Recipe(mode="infer", **weights))
         return self.log.timed(
             f"{self.name} served by {serve_options.engine}",
             lambda: plan_serving(built, serve_options, self.device),

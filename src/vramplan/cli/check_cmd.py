@@ -15,8 +15,10 @@ from vramplan import UserError
 from vramplan.cli.app import app
 from vramplan.cli.config_options import ConfigOpt, OptionalModel, config_lines, with_config
 from vramplan.cli.options import (
+    ActOrderOpt,
     AllocConfOpt,
     BatchSize,
+    BnbVersionOpt,
     CheckpointingOpt,
     ComputeDtypeOpt,
     CudnnBenchmarkOpt,
@@ -28,6 +30,7 @@ from vramplan.cli.options import (
     GpuMemoryOpt,
     GpuOpt,
     GradAccum,
+    GroupSizeOpt,
     HeadroomOpt,
     InputShape,
     JsonOpt,
@@ -44,6 +47,7 @@ from vramplan.cli.options import (
     PrecisionOpt,
     ProfileOpt,
     QuantizeOpt,
+    QuantKernelOpt,
     QuietOpt,
     ReshardOpt,
     SeqLen,
@@ -89,6 +93,10 @@ def check_command(
     quantize: QuantizeOpt = "none",
     double_quant: DoubleQuantOpt = False,
     compute_dtype: ComputeDtypeOpt = None,
+    bnb_version: BnbVersionOpt = None,
+    group_size: GroupSizeOpt = None,
+    quant_kernel: QuantKernelOpt = None,
+    act_order: ActOrderOpt = False,
     target: TargetOpt = "cuda",
     gpu: GpuOpt = None,
     gpu_memory: GpuMemoryOpt = None,

@@ -321,7 +321,8 @@ QuantizeOpt = Annotated[
     typer.Option(
         "--quantize",
         help="none | nf4 | fp4 | int8: bitsandbytes' storage of every linear but the output "
-        "head (QLoRA: --quantize nf4 --lora R).",
+        "head (QLoRA: --quantize nf4 --lora R); gptq | awq: an int4 checkpoint as GPT-QModel "
+        "stores and runs it; fp8: transformers' fine-grained FP8 (--mode infer|generate).",
     ),
 ]
 DoubleQuantOpt = Annotated[
@@ -334,9 +335,35 @@ ComputeDtypeOpt = Annotated[
     str | None,
     typer.Option(
         "--compute-dtype",
-        help="bf16 | fp16: dtype the quantized layers dequantize to (default: the precision's "
-        "half dtype, else bf16).",
+        help="bf16 | fp16 | fp32: dtype the quantized layers dequantize to (default: the "
+        "precision's half dtype, else bf16; transformers' BitsAndBytesConfig default is fp32).",
     ),
+]
+BnbVersionOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--bnb-version",
+        help="4-bit: the bitsandbytes release emulated (default 0.50; before it, weights "
+        "dequantize in their own dtype and are then cast to the compute dtype).",
+    ),
+]
+
+# int4 checkpoints (--quantize gptq|awq, sources/int4.py)
+GroupSizeOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--group-size", help="gptq/awq: inputs per scale and zero (default 128; -1: one)."
+    ),
+]
+QuantKernelOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--quant-kernel",
+        help="gptq/awq: the kernel that runs them: marlin (default), exllamav2 (gptq), gemm (awq).",
+    ),
+]
+ActOrderOpt = Annotated[
+    bool, typer.Option("--act-order", help="gptq: act-order (desc_act) checkpoint, g_idx kept.")
 ]
 
 FINETUNE_OPTIONS = (
@@ -349,6 +376,10 @@ FINETUNE_OPTIONS = (
     "quantize",
     "double_quant",
     "compute_dtype",
+    "bnb_version",
+    "group_size",
+    "quant_kernel",
+    "act_order",
 )
 
 
@@ -440,13 +471,35 @@ CacheOpt = Annotated[
     typer.Option(
         "--cache",
         help="--mode generate: dynamic (DynamicCache, grown by torch.cat) | static "
-        "(StaticCache sized to prompt + new tokens).",
+        "(StaticCache sized to prompt + new tokens) | quanto | hqq | fp8 (QuantizedCache).",
     ),
 ]
 NumBeamsOpt = Annotated[
     int, typer.Option("--num-beams", help="--mode generate: beams per prompt (beam search).")
 ]
-GENERATION_OPTIONS = ("prompt_len", "new_tokens", "cache", "num_beams")
+KvBitsOpt = Annotated[
+    int | None, typer.Option("--kv-bits", help="--cache quanto|hqq: bits per value (default 4).")
+]
+KvGroupSizeOpt = Annotated[
+    int | None,
+    typer.Option("--kv-group-size", help="--cache quanto|hqq: values per scale (default 64)."),
+]
+KvResidualOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--kv-residual-length",
+        help="--cache quanto|hqq: tokens kept in full precision (default 128).",
+    ),
+]
+GENERATION_OPTIONS = (
+    "prompt_len",
+    "new_tokens",
+    "cache",
+    "num_beams",
+    "kv_bits",
+    "kv_group_size",
+    "kv_residual_length",
+)
 
 
 def generation_from_options(options: dict) -> dict:

@@ -12,10 +12,14 @@ import typer
 import vramplan
 from vramplan.cli.app import app
 from vramplan.cli.options import (
+    ActOrderOpt,
     GpuOpt,
+    GroupSizeOpt,
     JsonOpt,
     Model,
     PrecisionOpt,
+    QuantizeOpt,
+    QuantKernelOpt,
     StackOpt,
     TimeoutOpt,
     TpOpt,
@@ -63,6 +67,10 @@ def serve_command(
     kv_cache_dtype: KvDtypeOpt = "auto",
     block_size: BlockSizeOpt = 16,
     precision: PrecisionOpt = "bf16",
+    quantize: QuantizeOpt = "none",
+    group_size: GroupSizeOpt = None,
+    quant_kernel: QuantKernelOpt = None,
+    act_order: ActOrderOpt = False,
     stack: StackOpt = None,
     timeout: TimeoutOpt = 300.0,
     json_output: JsonOpt = False,
@@ -87,6 +95,10 @@ def serve_command(
         kv_cache_dtype=kv_cache_dtype,
         block_size=block_size,
         precision=precision,
+        quantize=quantize,
+        group_size=group_size,
+        quant_kernel=quant_kernel,
+        act_order=act_order,
     )
     if json_output:
         print_json(plan.to_json())

@@ -25,15 +25,19 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import BuiltModel
+from vramplan.sources.fp8_weights import quantize_fp8_linears
+from vramplan.sources.int4 import DEFAULT_GROUP_SIZE, Int4Format, quantize_int4_linears
 from vramplan.sources.loss import loss_run
-from vramplan.sources.quantized import quantize_linears
+from vramplan.sources.quantized import dequantized_dtype, quantize_linears
 
 _TASK_TYPES = {
     "causal-lm": "CAUSAL_LM",
     "seq2seq": "SEQ_2_SEQ_LM",
     "sequence-classification": "SEQ_CLS",
 }
-_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_COMPUTE_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+_WEIGHT_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def wants_finetune(recipe: Recipe) -> bool:
@@ -150,12 +154,31 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
         return built
     model = built.model
     notes = list(built.notes)
-    if recipe.quantize != "none":
+    if recipe.quantize in ("gptq", "awq"):
+        if device != "meta":
+            raise UserError("--quantize is modelled on the meta device only; it cannot be run")
+        notes.append(_quantize_int4(model, recipe, built.name))
+    elif recipe.quantize == "fp8":
+        if device != "meta":
+            raise UserError("--quantize is modelled on the meta device only; it cannot be run")
+        if quantize_fp8_linears(model, _output_head(model)) == 0:
+            raise UserError(f"--quantize fp8: {built.name} has no linear layer")
+        notes.append(
+            "quantized fp8: every linear but the output head as transformers' fine-grained "
+            "FP8 (e4m3 weights, fp32 scales per 128 x 128 block; fused activation "
+            "quantization in the matmul)"
+        )
+    elif recipe.quantize != "none":
         if device != "meta":
             raise UserError("--quantize is modelled on the meta device only; it cannot be run")
         dtype = compute_dtype_for(recipe)
         count = quantize_linears(
-            model, recipe.quantize, recipe.double_quant, dtype, _output_head(model)
+            model,
+            recipe.quantize,
+            recipe.double_quant,
+            dtype,
+            _output_head(model),
+            dequantized_dtype(recipe.bnb_version, _WEIGHT_DTYPES[recipe.param_dtype_name]),
         )
         if count == 0:
             raise UserError(f"--quantize {recipe.quantize}: {built.name} has no linear layer")
@@ -185,6 +208,27 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
     built.model = model
     built.notes = notes
     return built
+
+
+def _quantize_int4(model: nn.Module, recipe: Recipe, name: str) -> str:
+    """Replace the linears with GPTQ/AWQ int4 layers (``sources/int4.py``); the note."""
+    fmt = Int4Format(
+        recipe.quantize,
+        group_size=recipe.group_size or DEFAULT_GROUP_SIZE,
+        kernel=recipe.quant_kernel or "marlin",
+        act_order=recipe.act_order,
+    )
+    dtype = compute_dtype_for(recipe)
+    count = quantize_int4_linears(model, fmt, dtype, _output_head(model))
+    if count == 0:
+        raise UserError(f"--quantize {recipe.quantize}: {name} has no linear layer")
+    order = ", act-order" if fmt.act_order else ""
+    return (
+        f"quantized {fmt.method} int4: {count} linear layers (packed int32 weights and zeros, "
+        f"fp16 scales per {fmt.group_size} inputs{order}; output head kept), run by "
+        f"GPT-QModel's {fmt.kernel} kernel in {str(dtype).removeprefix('torch.')}: the "
+        "layouts and kernel buffers modelled, not the kernels themselves"
+    )
 
 
 def _target_names(model: nn.Module) -> str:

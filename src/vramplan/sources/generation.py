@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from vramplan.errors import UserError
+from vramplan.sources.kv_quant import KvQuantization, quantized_cache
 
 
 @dataclass(frozen=True)
@@ -45,10 +46,13 @@ class Generator:
                 f"tokens of {total} is longer"
             )
 
-    def new_cache(self, kind: str, max_len: int) -> Any:
-        """The cache generate builds: dynamic, or static with ``max_len`` positions."""
+    def new_cache(self, kind: str, max_len: int, kv: KvQuantization | None = None) -> Any:
+        """The cache generate builds: dynamic, static with ``max_len`` positions, or
+        quantized (``kv``: ``cache_implementation="quantized"``)."""
         import transformers
 
+        if kv is not None:
+            return quantized_cache(self.config, kv)
         if kind == "static":
             return transformers.StaticCache(config=self.config, max_cache_len=max_len)
         return transformers.DynamicCache(config=self.config)

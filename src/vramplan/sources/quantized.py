@@ -21,7 +21,11 @@ compute dtype (a transient the size of the full-precision weight; above M = 1536
 bitsandbytes' CUDA dispatch always takes this dequantize + ``F.linear`` path) and saves
 only the quantized weight for backward, where it dequantizes again for the input gradient;
 one row without gradient (``matmul_4bit``'s inference path, a decode step of one sequence)
-goes through ``gemv_4bit`` instead, with no dequantized copy.
+goes through ``gemv_4bit`` instead, with no dequantized copy. Releases before 0.50
+(``--bnb-version``) ran ``F.dequantize_4bit(B, quant_state).to(A.dtype)``: the weight
+dequantized in the dtype it was quantized from (fp16 up to 0.42, whose ``Params4bit.cuda``
+casts with ``.half()``; the loaded weight's dtype from 0.43), then copied to the compute
+dtype when that differs (``dequantized_dtype``).
 ``MatMul8bitLt`` quantizes its input row-wise to int8 (``int8_vectorwise_quant``: int8
 values and an fp32 scale per row, from an fp16 copy), multiplies into int32
 (``int8_linear_matmul``), dequantizes into the input's dtype, saves the input itself, and
@@ -72,6 +76,24 @@ def layout_int8(out_features: int, in_features: int) -> dict[str, tuple]:
     }
 
 
+def dequantized_dtype(version: str | None, weight_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype 4-bit ``MatMul4Bit`` of bitsandbytes ``version`` dequantizes into before
+    casting to the compute dtype; None where it writes the compute dtype directly (0.50
+    on, the release emulated by default).
+
+    >>> dequantized_dtype("0.41", torch.bfloat16), dequantized_dtype("0.45", torch.bfloat16)
+    (torch.float16, torch.bfloat16)
+    >>> dequantized_dtype(None, torch.float16) is None
+    True
+    """
+    if version is None:
+        return None
+    major, minor = (int(part) for part in version.split(".")[:2])
+    if (major, minor) >= (0, 50):
+        return None
+    return torch.float16 if (major, minor) <= (0, 42) else weight_dtype
+
+
 def _nbytes(shape: tuple, dtype: torch.dtype) -> int:
     count = 1
     for size in shape:
@@ -86,6 +108,8 @@ class _Matmul4bit(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, bias, layer):
         weight = layer.dequantize()
+        if weight.dtype != x.dtype:  # bitsandbytes before 0.50: ``.to(A.dtype)``
+            weight = weight.to(x.dtype)
         out = nn.functional.linear(x, weight, bias)
         del weight
         ctx.layer = layer
@@ -146,8 +170,10 @@ class QuantizedLinear(nn.Linear):
         scheme: str,
         double_quant: bool = False,
         compute_dtype: torch.dtype = torch.bfloat16,
+        dequant_dtype: torch.dtype | None = None,
     ) -> None:
         nn.Module.__init__(self)
+        self.dequant_dtype = dequant_dtype
         self.in_features = linear.in_features
         self.out_features = linear.out_features
         self.scheme = scheme
@@ -198,9 +224,8 @@ class QuantizedLinear(nn.Linear):
         if self.double_quant:
             absmax = torch.empty(self.absmax.shape, dtype=torch.float32, device=device)
             del absmax  # freed when dequantize_4bit returns
-        return torch.empty(
-            self.out_features, self.in_features, dtype=self.compute_dtype, device=device
-        )
+        dtype = self.dequant_dtype or self.compute_dtype
+        return torch.empty(self.out_features, self.in_features, dtype=dtype, device=device)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.scheme == "int8":
@@ -230,14 +255,20 @@ def quantize_linears(
     double_quant: bool,
     compute_dtype: torch.dtype,
     skip: set[int],
+    dequant_dtype: torch.dtype | None = None,
 ) -> int:
     """Replace every ``nn.Linear`` of ``model`` (but the modules in ``skip``, by id) with a
-    ``QuantizedLinear``; returns how many were replaced."""
+    ``QuantizedLinear`` (``dequant_dtype``: see ``dequantized_dtype``); returns how many
+    were replaced."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear and id(child) not in skip:
-                setattr(parent, name, QuantizedLinear(child, scheme, double_quant, compute_dtype))
+                setattr(
+                    parent,
+                    name,
+                    QuantizedLinear(child, scheme, double_quant, compute_dtype, dequant_dtype),
+                )
                 replaced += 1
     return replaced
 

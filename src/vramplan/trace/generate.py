@@ -31,6 +31,14 @@ from vramplan.recipe import DEFAULT_NEW_TOKENS, Recipe
 from vramplan.result import Component, Phase
 from vramplan.sources.base import BuiltModel
 from vramplan.sources.generation import cache_layers
+from vramplan.sources.kv_quant import (
+    DEFAULTS as KV_DEFAULTS,
+)
+from vramplan.sources.kv_quant import (
+    KvQuantization,
+    quantized,
+    quantized_storages,
+)
 from vramplan.trace.events import Trace
 from vramplan.trace.policy import DevicePolicy
 from vramplan.trace.recorder import AllocationRecorder, StorageRecord
@@ -57,6 +65,8 @@ class GenerationShape:
     prompt: int
     new_tokens: int
     cache: str
+    kv: KvQuantization | None = None
+    """The quantized cache's backend and settings (None: a dynamic or static cache)."""
 
     @property
     def final_cache_len(self) -> int:
@@ -72,11 +82,20 @@ class GenerationShape:
 def generation_shape(recipe: Recipe) -> GenerationShape:
     """The shape of the generate call a ``--mode generate`` recipe describes."""
     prompt = recipe.prompt_len or recipe.seq_len or DEFAULT_PROMPT
+    kv = None
+    if recipe.cache not in ("dynamic", "static"):
+        kv = KvQuantization(
+            recipe.cache,
+            nbits=recipe.kv_bits or KV_DEFAULTS["nbits"],
+            q_group_size=recipe.kv_group_size or KV_DEFAULTS["q_group_size"],
+            residual_length=recipe.kv_residual_length or KV_DEFAULTS["residual_length"],
+        )
     return GenerationShape(
         sequences=recipe.batch_size * recipe.num_beams,
         prompt=prompt,
         new_tokens=recipe.new_tokens or DEFAULT_NEW_TOKENS,
         cache=recipe.cache,
+        kv=kv,
     )
 
 
@@ -112,7 +131,8 @@ def _stored(window: int | None, seen: int) -> int:
 
 def _tag_cache(recorder: AllocationRecorder, cache: Any) -> None:
     for layer in cache_layers(cache):
-        for tensor in (getattr(layer, "keys", None), getattr(layer, "values", None)):
+        held = (getattr(layer, "keys", None), getattr(layer, "values", None))
+        for tensor in (*held, *quantized_storages(layer)):
             if isinstance(tensor, torch.Tensor):
                 record = recorder.record_for(tensor)
                 if record is not None:
@@ -152,10 +172,15 @@ def _slots(cache: Any) -> list[_Slot]:
     return slots
 
 
-def grow_cache(recorder: AllocationRecorder, cache: Any, lengths: list[int]) -> list[str]:
+def grow_cache(
+    recorder: AllocationRecorder, cache: Any, lengths: list[int], reorder: bool = False
+) -> list[str]:
     """Record a dynamic cache growing through ``lengths`` (tokens seen after each step):
     per step and layer, the keys' new block then the old one freed, then the values'.
-    The last step leaves real (fake) tensors in the cache; returns notes."""
+    With ``reorder`` (beam search), every step ends with generate's ``reorder_cache``:
+    each layer's keys and values ``index_select``-ed into a new block of the same size,
+    the old one freed (``DynamicLayer.reorder_cache``). The last step leaves real (fake)
+    tensors in the cache; returns notes."""
     slots = _slots(cache)
     if not lengths or not slots:
         return []
@@ -180,6 +205,8 @@ def grow_cache(recorder: AllocationRecorder, cache: Any, lengths: list[int]) -> 
             visible = stored if window is None else min(stored, window - 1)
             setattr(slot.layer, slot.name, full[:, :, stored - visible :, :])
             del full
+        if reorder:
+            _reorder(recorder, slots, held, last=step == len(lengths))
         for layer in {id(s.layer): s.layer for s in slots}.values():
             if _window(layer) is not None:
                 layer.cumulative_length = seen
@@ -190,6 +217,69 @@ def grow_cache(recorder: AllocationRecorder, cache: Any, lengths: list[int]) -> 
             "(not one token at a time)"
         ]
     return []
+
+
+def _reorder(
+    recorder: AllocationRecorder, slots: list[_Slot], held: dict[int, StorageRecord], last: bool
+) -> None:
+    """One ``reorder_cache``: per layer, the keys then the values copied by
+    ``index_select`` and the old block freed (real tensors at the ``last`` step)."""
+    for index, slot in enumerate(slots):
+        if last:
+            old = getattr(slot.layer, slot.name)
+            copy = torch.empty_like(old, memory_format=torch.contiguous_format)
+            recorder.record_for(copy).tags.add(Component.KV_CACHE)
+            setattr(slot.layer, slot.name, copy)
+            del old, copy
+            continue
+        record = recorder.note_alloc(held[index].nbytes, "index_select")
+        record.tags.add(Component.KV_CACHE)
+        recorder.note_free(held[index])
+        held[index] = record
+
+
+def quantized_split(kv: KvQuantization, prompt: int, seen: int) -> tuple[int, int]:
+    """(quantized, full-precision) tokens a quantized layer holds once it has seen
+    ``seen`` tokens: the prefill quantizes the prompt; each decode step adds one token to
+    the residual, and the step that fills it to ``residual_length`` quantizes everything.
+
+    >>> quantized_split(KvQuantization("quanto", residual_length=128), 100, 400)
+    (356, 44)
+    >>> quantized_split(KvQuantization("fp8"), 100, 400)
+    (400, 0)
+    """
+    if kv.backend == "fp8":
+        return seen, 0
+    residual = (seen - prompt) % kv.residual_length
+    return seen - residual, residual
+
+
+def set_quantized_cache(cache: Any, kv: KvQuantization, prompt: int, seen: int) -> list[str]:
+    """Put every quantized layer in the state it has after ``seen`` tokens (the decode
+    steps before the last are not replayed one by one); returns notes."""
+    packed, residual = quantized_split(kv, prompt, seen)
+    for layer in cache_layers(cache):
+        batch, heads, _, dim = (
+            layer._quantized_keys.shape if kv.backend != "fp8" else layer._quantized_keys[0].shape
+        )
+        dtype = layer.dtype
+        shape = (batch, heads, packed, dim)
+        if kv.backend == "fp8":
+            for name in ("_quantized_keys", "_quantized_values"):
+                values, scale = getattr(layer, name)
+                setattr(layer, name, (torch.empty(shape, dtype=values.dtype), scale))
+        else:
+            layer._quantized_keys = quantized(kv, shape, dtype)
+            layer._quantized_values = quantized(kv, shape, dtype)
+            layer.keys = torch.empty(batch, heads, residual, dim, dtype=dtype)
+            layer.values = torch.empty(batch, heads, residual, dim, dtype=dtype)
+        layer.cumulative_length = seen
+    window = "" if kv.backend == "fp8" else f", {residual} in full precision"
+    return [
+        f"{kv.backend} KV cache: {packed} tokens quantized{window} before the last decode "
+        "step (set at once; the re-quantizations before it are not replayed; the "
+        "backend's own temporaries while quantizing are not modelled)"
+    ]
 
 
 def _next_token(output: Any) -> torch.Tensor:
@@ -226,7 +316,7 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
         phase(PREFILL)
         ids = torch.randint(0, generator.vocab_size, (shape.sequences, shape.prompt))
         session.tag_inputs(ids)
-        cache = generator.new_cache(shape.cache, shape.final_cache_len)
+        cache = generator.new_cache(shape.cache, shape.final_cache_len, shape.kv)
         with torch.no_grad(), policy.autocast(recipe):
             output = generator.forward(model, ids, cache, 0)
             logits = _next_token(output)
@@ -237,7 +327,10 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
             before = shape.final_cache_len - 1
             if shape.cache == "dynamic":
                 lengths = growth_lengths(shape.prompt, before)
-                session.notes.extend(grow_cache(recorder, cache, lengths))
+                beams = recipe.num_beams > 1
+                session.notes.extend(grow_cache(recorder, cache, lengths, reorder=beams))
+            elif shape.kv is not None:
+                session.notes.extend(set_quantized_cache(cache, shape.kv, shape.prompt, before))
             token = torch.randint(0, generator.vocab_size, (shape.sequences, 1))
             with torch.no_grad(), policy.autocast(recipe):
                 output = generator.forward(model, token, cache, before)
@@ -264,8 +357,10 @@ def generation_notes(recipe: Recipe, shape: GenerationShape, keeps_last: bool) -
     if recipe.num_beams > 1:
         notes.append(
             f"beam search: {recipe.num_beams} beams per prompt run as {shape.sequences} "
-            "sequences; the cache's per-step reorder (an index_select of each layer) is "
-            "not replayed"
+            "sequences; the cache's per-step reorder (an index_select of each layer) "
+            "replayed with its growth"
+            + ("" if recipe.cache == "dynamic" else " (dynamic cache only)")
+            + "; the beam scorer's own tensors are not modelled"
         )
     return notes
 
