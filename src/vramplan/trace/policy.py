@@ -76,9 +76,12 @@ class CudaPolicy(CpuPolicy):
 
     name = "cuda"
 
-    def __init__(self, arch: str = "sm80", foreach: bool = True) -> None:
+    def __init__(
+        self, arch: str = "sm80", foreach: bool = True, saves_every_operand: bool = False
+    ) -> None:
         self.arch = arch
         self.foreach = foreach
+        self.saves_every_operand = saves_every_operand
         self._caster = None
         self._kernels: dict[str, int] = {}
 
@@ -96,11 +99,20 @@ class CudaPolicy(CpuPolicy):
 
         self._kernels = {}
         modes = [cuda_sdpa(self.arch, self._kernels), cuda_lstm(self._kernels)]
+        if self.saves_every_operand:
+            from vramplan.trace.legacy_saving import saving_every_operand
+
+            modes.append(saving_every_operand())
         return modes + ([cuda_rules(self._caster_for(recipe))] if recipe.uses_autocast else [])
 
     def trace_notes(self) -> list[str]:
         calls = dict(self._kernels)
         notes = []
+        if self.saves_every_operand:
+            notes.append(
+                "autograd as before PyTorch 1.8: mul/div keep both operands whenever one "
+                "requires a gradient (a FrozenBatchNorm2d keeps its input)"
+            )
         lstm = calls.pop("lstm", 0)
         if calls:
             kernels = ", ".join(f"{name} x{n}" for name, n in sorted(calls.items()))
@@ -135,7 +147,12 @@ def entered(modes: list) -> Iterator[None]:
         yield
 
 
-def policy_for(target: str, arch: str = "sm80", foreach: bool = True) -> DevicePolicy:
+def policy_for(
+    target: str, arch: str = "sm80", foreach: bool = True, saves_every_operand: bool = False
+) -> DevicePolicy:
     """The policy for a target device name: ``cuda`` (default, of GPU ``arch``; ``foreach``
-    the emulated PyTorch's default optimizer implementation there) or ``cpu``."""
-    return CpuPolicy() if target == "cpu" else CudaPolicy(arch, foreach)
+    the emulated PyTorch's default optimizer implementation there, ``saves_every_operand``
+    its autograd saving rule for mul/div) or ``cpu``."""
+    if target == "cpu":
+        return CpuPolicy()
+    return CudaPolicy(arch, foreach, saves_every_operand)
