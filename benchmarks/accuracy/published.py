@@ -11,6 +11,10 @@ row's ``used_counter``; a profile context is read with that counter, so the driv
 an nvml-v1 reading includes is taken out of it and counted once). Device-level rows also
 report whether the measurement lies in vramplan's [low, high] range.
 
+The ``stack`` column names the software stack a row was measured on (``--stack``), where
+it changes the step: autograd before PyTorch 1.8 kept both operands of mul/div
+(``trace/legacy_saving.py``), and optimizers before 2.0 looped per parameter.
+
 The GPUMemNet rows (48-51, 54, 55, 1000-1002) use row 1003, the same setup's measured
 floor (a one-neuron MLP: context, cuBLAS kernels, driver reserve; no cuDNN), as their
 profile, as the BERT rows use their measured context.
@@ -93,7 +97,7 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
         **knobs(row.get("knobs") or ""),
     )
     counter = row.get("used_counter") or "nvml-v1"
-    options = device_options(gpu=row["gpu"], used_counter=counter)
+    options = device_options(gpu=row["gpu"], used_counter=counter, stack=row.get("stack") or None)
     options = replace(options, profile=_profile(row, options.gpu, counter))
     estimate = estimate_built(resolve(row["model"], recipe), recipe, "cuda", options)
     if row["metric"] == "allocated":
