@@ -73,9 +73,9 @@ def test_division_by_a_constant_keeps_the_numerator_and_its_gradient_is_unchange
     x = torch.randn(4, 5, requires_grad=True)
     divisor = torch.rand(1, 5) + 1.0
     saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        with saving_every_operand():
-            (x / divisor).pow(2).sum().backward()
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    with hooks, saving_every_operand():
+        (x / divisor).pow(2).sum().backward()
     assert any(t is x for t in saved)
     torch.testing.assert_close(x.grad, 2 * x.detach() / divisor**2)
 

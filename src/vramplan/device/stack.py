@@ -62,7 +62,6 @@ class Stack:
         rule = runtime_table()["optimizer_implementation"]
         return _version(self.torch) >= _version(rule["foreach_from_torch"])
 
-
     @property
     def saves_every_operand(self) -> bool:
         """Whether autograd kept every operand of ``mul``/``div`` whatever required a

@@ -103,7 +103,8 @@ def build_frozen_encoders(
             text_encoder = CLIPTextModel(CLIPTextConfig(**text_kwargs))
     except (TypeError, ValueError) as exc:
         raise UserError(f"frozen encoders from {configs.source} cannot be built: {exc}") from None
-    return vae.to(dtype), text_encoder.to(dtype)
+    # nn.Module.to: diffusers' own `to` warns about keeping modules in float32 (none here)
+    return nn.Module.to(vae, dtype), text_encoder.to(dtype)
 
 
 def encode_step(
