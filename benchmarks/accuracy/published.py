@@ -39,11 +39,6 @@ from vramplan.sources import resolve
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE.parents[2] / "shared" / "validation" / "published.csv"
 MiB = 2**20
-DETECTION_R101 = "ResNet-101 FPN: torchvision ships no R-101 detection builder (a factory could)"
-NOT_EXPRESSIBLE = {
-    "mmdetection": DETECTION_R101,
-    "detectron2": DETECTION_R101,
-}
 
 
 def _profile(row: dict, gpu, counter: str) -> DeviceProfile | None:
@@ -170,7 +165,7 @@ def main(only: list[str] | None = None) -> None:
     for row_id, source in published.items():
         if row_id in expressed:
             continue
-        reason = NOT_EXPRESSIBLE.get(source["group"], _reason(source))
+        reason = _reason(source)
         print(f"- row {row_id} ({source['model'][:50]}): {reason}")
 
 
