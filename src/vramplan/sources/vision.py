@@ -175,7 +175,9 @@ def torchvision_tasks() -> dict[str, str]:
     tasks.update(dict.fromkeys(names(torchvision.models.segmentation), segmentation))
     video = "video classification: train, infer (--frames)"
     tasks.update(dict.fromkeys(names(torchvision.models.video), video))
-    for name in names(torchvision.models.detection):
+    from vramplan.sources.detection import detection_models
+
+    for name in detection_models():  # with the ResNet-101 variants
         kind = "detection"
         if name.startswith("maskrcnn"):
             kind = "instance segmentation"
