@@ -67,7 +67,8 @@ class CpuPolicy:
 class CudaPolicy(CpuPolicy):
     """What a CUDA GPU does differently: CUDA's autocast op lists and weight-cast cache,
     foreach optimizers by default (``foreach``: PyTorch >= 2.0; a per-parameter loop before),
-    the optimizer's ``step`` counters kept on the host.
+    the optimizer's ``step`` counters kept on the host; with ``saves_every_operand``
+    (PyTorch before 1.8), autograd's old saving rule for mul/div (``legacy_saving.py``).
     ``arch`` names the GPU architecture. One policy serves one traced run.
 
     ``F.scaled_dot_product_attention`` runs the kernel the GPU would pick (cuDNN, flash,
