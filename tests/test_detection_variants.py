@@ -18,7 +18,7 @@ def count(module, trainable: bool = False) -> int:
     return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable)
 
 
-@pytest.mark.parametrize("head", ["fasterrcnn", "maskrcnn", "keypointrcnn", "retinanet"])
+@pytest.mark.parametrize("head", ["fasterrcnn", "maskrcnn", "retinanet"])
 def test_a_resnet101_variant_differs_from_the_r50_model_by_the_trunk_alone(head):
     recipe = Recipe(batch_size=2)
     r50 = resolve(f"torchvision:{head}_resnet50_fpn", recipe).model
