@@ -324,6 +324,7 @@ FLAGS = [
     ("detection-counts", ["--detection-counts", "typical"], "unknown detection count policy"),
     ("resolution-zero", ["--resolution", "0"], "resolution must be a positive integer"),
     ("frames-negative", ["--frames", "-2"], "frames must be a positive integer"),
+    ("diffusion-encoders", ["--diffusion-encoders", "cached"], "unknown diffusion encoders"),
 ]
 for name, flags, expected in FLAGS:
     case(f"estimate-{name}", ["estimate", T, *flags], expected)
@@ -481,6 +482,11 @@ case(
     "must be a multiple of 8",
 )
 case("estimate-diffusers-unknown", ["estimate", "diffusers:sd9-unet"], "unknown diffusers model")
+case(
+    "estimate-diffusion-frozen-sdxl",
+    ["estimate", "diffusers:sdxl-unet", "--diffusion-encoders", "frozen"],
+    "precompute their embeddings",
+)
 case(
     "estimate-video-shape", ["estimate", "torchvision:r3d_18", "--input-shape", "3x8x8"], "CxTxHxW"
 )

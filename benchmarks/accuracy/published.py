@@ -11,6 +11,10 @@ row's ``used_counter``; a profile context is read with that counter, so the driv
 an nvml-v1 reading includes is taken out of it and counted once). Device-level rows also
 report whether the measurement lies in vramplan's [low, high] range.
 
+The ``stack`` column names the software stack a row was measured on (``--stack``), where
+it changes the step: autograd before PyTorch 1.8 kept both operands of mul/div
+(``trace/legacy_saving.py``), and optimizers before 2.0 looped per parameter.
+
 The GPUMemNet rows (48-51, 54, 55, 1000-1002) use row 1003, the same setup's measured
 floor (a one-neuron MLP: context, cuBLAS kernels, driver reserve; no cuDNN), as their
 profile, as the BERT rows use their measured context.
@@ -35,11 +39,6 @@ from vramplan.sources import resolve
 HERE = Path(__file__).resolve().parent
 SOURCE = HERE.parents[2] / "shared" / "validation" / "published.csv"
 MiB = 2**20
-DETECTION_R101 = "ResNet-101 FPN: torchvision ships no R-101 detection builder (a factory could)"
-NOT_EXPRESSIBLE = {
-    "mmdetection": DETECTION_R101,
-    "detectron2": DETECTION_R101,
-}
 
 
 def _profile(row: dict, gpu, counter: str) -> DeviceProfile | None:
@@ -167,7 +166,7 @@ def main(only: list[str] | None = None) -> None:
     for row_id, source in published.items():
         if row_id in expressed:
             continue
-        reason = NOT_EXPRESSIBLE.get(source["group"], _reason(source))
+        reason = _reason(source)
         print(f"- row {row_id} ({source['model'][:50]}): {reason}")
 
 

@@ -73,12 +73,7 @@ def trace_and_estimate(
 ) -> tuple[Estimate, Trace]:
     """``estimate_built`` that also returns the trace (to judge it on other cards)."""
     device = device or DeviceOptions()
-    policy = policy or policy_for(
-        target,
-        device.card.arch,
-        device.software.foreach_default,
-        device.software.zero_grad_frees,
-    )
+    policy = policy or _policy(target, device)
     check_attention_target(recipe.attention, policy.name, device.card.arch)
     trace = traced(built, recipe, policy, engine)
     notes = list(trace.notes)
@@ -95,6 +90,18 @@ def trace_and_estimate(
     if policy.name == "cuda":
         result = apply_device(result, trace, device)
     return result, trace
+
+
+def _policy(target: str, device: DeviceOptions) -> DevicePolicy:
+    """The trace policy for ``target`` as the emulated stack runs it."""
+    software = device.software
+    return policy_for(
+        target,
+        device.card.arch,
+        software.foreach_default,
+        software.zero_grad_frees,
+        software.saves_every_operand,
+    )
 
 
 def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None) -> Trace:
@@ -129,12 +136,7 @@ def estimate_user_step(
 ) -> Estimate:
     """The user's own ``step_fn`` traced ``iterations`` times on a meta copy of their
     model, then (for ``cuda``) replayed through the device model."""
-    policy = policy_for(
-        target,
-        device.card.arch,
-        device.software.foreach_default,
-        device.software.zero_grad_frees,
-    )
+    policy = _policy(target, device)
     trace = trace_step_function(
         step_fn, meta_model, batch, optimizer, policy, recipe, iterations, label
     )

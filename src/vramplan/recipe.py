@@ -118,6 +118,8 @@ class Recipe:
     detection_counts: str = "max"
     resolution: int | None = None  # diffusion (sources/diffusion.py): image side in pixels
     frames: int | None = None  # video (sources/vision.py): frames per clip
+    # diffusion: VAE latents and text states precomputed, or the frozen encoders in the step
+    diffusion_encoders: str = "precomputed"
     # How the named model is built and fed (sources/): attention kernel, expert routing,
     # decoder length, classes of the head.
     attention: str | None = None
@@ -453,8 +455,10 @@ VISION_DEFAULTS = {
     "detection_counts": "max",
     "resolution": None,
     "frames": None,
+    "diffusion_encoders": "precomputed",
 }
 DETECTION_COUNTS = ("max", "min")
+DIFFUSION_ENCODERS = ("precomputed", "frozen")
 
 
 def _check_vision(recipe: Recipe) -> None:
@@ -470,6 +474,8 @@ def _check_vision(recipe: Recipe) -> None:
             raise UserError(f"{name} must be a positive integer, got {value}")
     counts = _choice(recipe.detection_counts, DETECTION_COUNTS, "detection count policy")
     object.__setattr__(recipe, "detection_counts", counts)
+    encoders = _choice(recipe.diffusion_encoders, DIFFUSION_ENCODERS, "diffusion encoders")
+    object.__setattr__(recipe, "diffusion_encoders", encoders)
 
 
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flex_attention")

@@ -538,7 +538,23 @@ FramesOpt = Annotated[
     typer.Option("--frames", help="Video: frames per clip (input 3 x T x H x W; default 16)."),
 ]
 
-VISION_OPTIONS = ("boxes_per_image", "detection_counts", "resolution", "frames")
+DiffusionEncodersOpt = Annotated[
+    str,
+    typer.Option(
+        "--diffusion-encoders",
+        help="Diffusion: precomputed (VAE latents and text states computed beforehand) | "
+        "frozen (the frozen VAE and text encoder run in every step, in the weight dtype, "
+        "as diffusers' train_text_to_image.py does).",
+    ),
+]
+
+VISION_OPTIONS = (
+    "boxes_per_image",
+    "detection_counts",
+    "resolution",
+    "frames",
+    "diffusion_encoders",
+)
 
 
 def vision_from_options(options: dict) -> dict:

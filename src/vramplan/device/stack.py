@@ -75,6 +75,19 @@ class Stack:
         rule = runtime_table()["zero_grad"]
         return _version(self.torch) >= _version(rule["set_to_none_from_torch"])
 
+    @property
+    def saves_every_operand(self) -> bool:
+        """Whether autograd kept every operand of ``mul``/``div`` whatever required a
+        gradient (before PyTorch 1.8; ``trace/legacy_saving.py``).
+
+        >>> parse_stack("torch1.1-cu10.0").saves_every_operand
+        True
+        >>> parse_stack("torch2.14-cu12.8").saves_every_operand
+        False
+        """
+        rule = runtime_table()["autograd_saving"]
+        return _version(self.torch) < _version(rule["guarded_from_torch"])
+
 
 def older_than_traced(stack: Stack) -> bool:
     """Whether ``stack`` emulates a PyTorch older than the installed one, whose operators

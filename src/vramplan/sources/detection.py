@@ -35,10 +35,41 @@ _SKIPPED = object()
 
 
 def detection_models() -> list[str]:
-    """torchvision's detection model names."""
+    """torchvision's detection model names, and the ResNet-101 variants of its R-50 ones."""
     import torchvision
 
-    return torchvision.models.list_models(module=torchvision.models.detection)
+    return torchvision.models.list_models(module=torchvision.models.detection) + list(
+        RESNET101_VARIANTS
+    )
+
+
+# torchvision builds these heads on a ResNet-50 FPN only; the model zoos (mmdetection,
+# detectron2) publish them on ResNet-101 too. Built as the R-50 builders build theirs with
+# ImageNet backbone weights: FrozenBatchNorm2d, 3 trainable layers, 91 COCO classes.
+RESNET101_VARIANTS = {
+    "fasterrcnn_resnet101_fpn": "FasterRCNN",
+    "maskrcnn_resnet101_fpn": "MaskRCNN",
+    "keypointrcnn_resnet101_fpn": "KeypointRCNN",
+    "retinanet_resnet101_fpn": "RetinaNet",
+}
+
+
+def _resnet101_variant(name: str, options: dict) -> nn.Module:
+    from torchvision.models import detection, resnet101
+    from torchvision.models.detection.backbone_utils import _resnet_fpn_extractor
+    from torchvision.ops import FrozenBatchNorm2d
+    from torchvision.ops.feature_pyramid_network import LastLevelP6P7
+
+    trunk = resnet101(weights=None, norm_layer=FrozenBatchNorm2d)
+    kind = RESNET101_VARIANTS[name]
+    classes = 2 if kind == "KeypointRCNN" else 91
+    if kind == "RetinaNet":  # as retinanet_resnet50_fpn: P3-P5, P6/P7 from P5
+        backbone = _resnet_fpn_extractor(
+            trunk, 3, returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256)
+        )
+    else:
+        backbone = _resnet_fpn_extractor(trunk, 3)
+    return getattr(detection, kind)(backbone, num_classes=classes, **options)
 
 
 @contextlib.contextmanager
@@ -67,6 +98,9 @@ def _backbone_layout_without_weights() -> Iterator[None]:
 def _build(name: str, device: str, options: dict) -> nn.Module:
     import torchvision
 
+    if name in RESNET101_VARIANTS:
+        with torch.device(device):
+            return _resnet101_variant(name, options)
     kwargs = {"weights": None, **options}
     if name in FROM_SCRATCH:
         kwargs["weights_backbone"] = None

@@ -8,6 +8,9 @@ timestep and the text encoder's states (``--seq-len`` tokens, 77 by default; SDX
 pooled embedding and six time ids; a DiT takes a class label) go in, and the loss is the
 mean squared error of the predicted noise. ``--resolution`` sets the image side in pixels
 (the latents are an eighth of it); ``--input-shape`` sets the latent shape itself.
+With ``--diffusion-encoders frozen`` the step starts from pixels and token ids instead,
+as diffusers' ``train_text_to_image.py`` runs it: the frozen VAE and text encoder encode
+them in every step (``diffusion_encoders.py``; Stable Diffusion 1.5/2.1 UNets).
 
 >>> built = build_diffusers("sd15-unet", Recipe(batch_size=4))
 >>> built.default_input_shape, sum(p.numel() for p in built.model.parameters())
@@ -90,6 +93,14 @@ def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltMod
     latents = _latent_shape(recipe, config)
     tokens = recipe.seq_len or TEXT_TOKENS
     unet = kind == "UNet2DConditionModel"
+    if recipe.diffusion_encoders == "frozen":
+        if not unet or config.get("addition_embed_type") == "text_time":
+            raise UserError(
+                "--diffusion-encoders frozen: the frozen VAE and CLIP text encoder are traced "
+                "for Stable Diffusion 1.x/2.x UNets (SDXL's and DiT's training scripts "
+                "precompute their embeddings)"
+            )
+        return _with_frozen_encoders(name, model, recipe, latents, tokens, device)
 
     def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
         noisy = torch.randn(batch_size, *latents, dtype=dtype)
@@ -118,14 +129,6 @@ def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltMod
         predicted = predicted[:, : noise.shape[1]]
         return nn.functional.mse_loss(predicted.float(), noise.float())
 
-    def checkpoint(module: nn.Module, limit: int | None, every: int = 1, ops: bool = False) -> int:
-        if limit is not None or every != 1 or ops:
-            raise UserError(
-                "diffusers models recompute all their blocks or none: use --checkpointing full"
-            )
-        module.enable_gradient_checkpointing()
-        return 1
-
     return BuiltModel(
         name=f"diffusers:{name}",
         architecture=kind,
@@ -134,13 +137,73 @@ def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltMod
         make_batch=make_batch,
         run=run,
         default_input_shape=latents,
-        enable_checkpointing=checkpoint,
+        enable_checkpointing=_checkpoint,
         blocks=1,
         sequence=unet,
         notes=[
             "latents and text embeddings precomputed (VAE and text encoder not on the GPU); "
             f"latents {'x'.join(map(str, latents))}"
             + (f", {tokens} text tokens" if unet else ", class-conditional")
+        ],
+        input_hint="check --resolution / --input-shape (latents CxHxW) / --seq-len",
+    )
+
+
+def _checkpoint(module: nn.Module, limit: int | None, every: int = 1, ops: bool = False) -> int:
+    if limit is not None or every != 1 or ops:
+        raise UserError(
+            "diffusers models recompute all their blocks or none: use --checkpointing full"
+        )
+    getattr(module, "unet", module).enable_gradient_checkpointing()
+    return 1
+
+
+def _with_frozen_encoders(
+    name: str, unet: nn.Module, recipe: Recipe, latents: tuple, tokens: int, device: str
+) -> BuiltModel:
+    """The UNet's step from pixels and token ids through the frozen VAE and text encoder."""
+    from vramplan.sources.diffusion_encoders import (
+        TextToImageModels,
+        build_frozen_encoders,
+        encode_step,
+        encoder_configs,
+    )
+
+    configs = encoder_configs(name)
+    weight_dtype = getattr(torch, recipe.compute_dtype_name)
+    vae, text_encoder = build_frozen_encoders(configs, weight_dtype, device)
+    models = TextToImageModels(unet, vae, text_encoder)
+    pixels = (configs.vae["in_channels"], latents[1] * LATENT_FACTOR, latents[2] * LATENT_FACTOR)
+    vocabulary = configs.text_encoder["vocab_size"]
+
+    def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
+        images = torch.rand(batch_size, *pixels, dtype=dtype)
+        return images, torch.randint(0, vocabulary, (batch_size, tokens))
+
+    def run(module: nn.Module, batch: Batch, training: bool):
+        images, input_ids = batch
+        noisy, timesteps, states, noise = encode_step(module, images, input_ids, weight_dtype)
+        predicted = module.unet(noisy, timesteps, states).sample
+        if not training:
+            return predicted
+        return nn.functional.mse_loss(predicted.float(), noise.float())
+
+    return BuiltModel(
+        name=f"diffusers:{name}",
+        architecture="UNet2DConditionModel",
+        kind="diffusion",
+        model=models,
+        make_batch=make_batch,
+        run=run,
+        default_input_shape=latents,
+        enable_checkpointing=_checkpoint,
+        blocks=1,
+        sequence=True,
+        notes=[
+            f"frozen VAE and text encoder in every step ({configs.source}), in "
+            f"{recipe.compute_dtype_name}, without gradients, as diffusers' "
+            f"train_text_to_image.py runs them: pixels {'x'.join(map(str, pixels))}, "
+            f"{tokens} text tokens"
         ],
         input_hint="check --resolution / --input-shape (latents CxHxW) / --seq-len",
     )

@@ -104,10 +104,10 @@ def build_torchvision(name: str, recipe: Recipe, device: str = "meta") -> BuiltM
     segmentation = torchvision.models.list_models(module=torchvision.models.segmentation)
     builder, weights = _torchvision_name(torchvision, name, classification + segmentation)
     if builder not in classification and builder not in segmentation:
-        detection = torchvision.models.list_models(module=torchvision.models.detection)
-        if builder in detection:
-            from vramplan.sources.detection import build_detection
+        from vramplan.sources.detection import build_detection, detection_models
 
+        detection = detection_models()  # with the ResNet-101 variants
+        if builder in detection:
             return build_detection(builder, recipe, device)
         if builder in torchvision.models.list_models(module=torchvision.models.video):
             return _video(torchvision, builder, recipe, device)
@@ -175,7 +175,9 @@ def torchvision_tasks() -> dict[str, str]:
     tasks.update(dict.fromkeys(names(torchvision.models.segmentation), segmentation))
     video = "video classification: train, infer (--frames)"
     tasks.update(dict.fromkeys(names(torchvision.models.video), video))
-    for name in names(torchvision.models.detection):
+    from vramplan.sources.detection import detection_models
+
+    for name in detection_models():  # with the ResNet-101 variants
         kind = "detection"
         if name.startswith("maskrcnn"):
             kind = "instance segmentation"

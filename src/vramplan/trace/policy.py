@@ -70,7 +70,8 @@ class CpuPolicy:
 class CudaPolicy(CpuPolicy):
     """What a CUDA GPU does differently: CUDA's autocast op lists and weight-cast cache,
     foreach optimizers by default (``foreach``: PyTorch >= 2.0; a per-parameter loop before),
-    the optimizer's ``step`` counters kept on the host.
+    the optimizer's ``step`` counters kept on the host; with ``saves_every_operand``
+    (PyTorch before 1.8), autograd's old saving rule for mul/div (``legacy_saving.py``).
     ``arch`` names the GPU architecture. One policy serves one traced run.
 
     ``F.scaled_dot_product_attention`` runs the kernel the GPU would pick (cuDNN, flash,
@@ -79,10 +80,17 @@ class CudaPolicy(CpuPolicy):
 
     name = "cuda"
 
-    def __init__(self, arch: str = "sm80", foreach: bool = True, frees_grads: bool = True) -> None:
+    def __init__(
+        self,
+        arch: str = "sm80",
+        foreach: bool = True,
+        frees_grads: bool = True,
+        saves_every_operand: bool = False,
+    ) -> None:
         self.arch = arch
         self.foreach = foreach
         self.frees_grads = frees_grads
+        self.saves_every_operand = saves_every_operand
         self._caster = None
         self._kernels: dict[str, int] = {}
 
@@ -100,11 +108,20 @@ class CudaPolicy(CpuPolicy):
 
         self._kernels = {}
         modes = [cuda_sdpa(self.arch, self._kernels), cuda_lstm(self._kernels)]
+        if self.saves_every_operand:
+            from vramplan.trace.legacy_saving import saving_every_operand
+
+            modes.append(saving_every_operand())
         return modes + ([cuda_rules(self._caster_for(recipe))] if recipe.uses_autocast else [])
 
     def trace_notes(self) -> list[str]:
         calls = dict(self._kernels)
         notes = []
+        if self.saves_every_operand:
+            notes.append(
+                "autograd as before PyTorch 1.8: mul/div keep both operands whenever one "
+                "requires a gradient (a FrozenBatchNorm2d keeps its input)"
+            )
         lstm = calls.pop("lstm", 0)
         if calls:
             kernels = ", ".join(f"{name} x{n}" for name, n in sorted(calls.items()))
@@ -140,9 +157,16 @@ def entered(modes: list) -> Iterator[None]:
 
 
 def policy_for(
-    target: str, arch: str = "sm80", foreach: bool = True, frees_grads: bool = True
+    target: str,
+    arch: str = "sm80",
+    foreach: bool = True,
+    frees_grads: bool = True,
+    saves_every_operand: bool = False,
 ) -> DevicePolicy:
     """The policy for a target device name: ``cuda`` (default, of GPU ``arch``; ``foreach``
     the emulated PyTorch's default optimizer implementation there, ``frees_grads`` its
-    ``zero_grad()`` default) or ``cpu``."""
-    return CpuPolicy() if target == "cpu" else CudaPolicy(arch, foreach, frees_grads)
+    ``zero_grad()`` default, ``saves_every_operand`` its autograd saving rule for mul/div)
+    or ``cpu``."""
+    if target == "cpu":
+        return CpuPolicy()
+    return CudaPolicy(arch, foreach, frees_grads, saves_every_operand)

@@ -1,0 +1,93 @@
+"""What autograd kept for a multiplication or a division before PyTorch 1.8.
+
+Today's autograd code generation saves an operand only when a gradient that needs it will
+be computed: ``x * scale`` with only ``x`` requiring a gradient keeps ``scale`` (small)
+and lets ``x`` go. Until the codegen guarded each save by ``should_compute_output``
+(pytorch/pytorch PR #45777, late 2020, so PyTorch 1.8; issue #42371 and the codegen
+excerpt in PR #46296 show both sides), ``mul`` and ``div`` kept every operand their
+derivative formulas name whenever any input required a gradient. A FrozenBatchNorm2d
+(``x * scale + bias``) then kept its full-size input ``x`` as well.
+
+While tracing for such a stack, ``saving_every_operand`` routes an out-of-place ``mul``
+or ``div`` of two tensors, exactly one of which requires a gradient, through a function
+that saves both and computes only the gradient asked for:
+
+>>> x = torch.ones(2, 3, requires_grad=True)
+>>> scale = torch.full((1, 3), 2.0)
+>>> saved = []
+>>> with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+...     with saving_every_operand():
+...         y = x * scale
+>>> len(saved), y.sum().backward(), x.grad.tolist()
+(2, None, [[2.0, 2.0, 2.0], [2.0, 2.0, 2.0]])
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+_MUL = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
+_DIV = (
+    torch.div,
+    torch.true_divide,
+    torch.Tensor.div,
+    torch.Tensor.true_divide,
+    torch.Tensor.__truediv__,
+)
+
+
+def _reduced(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``grad`` summed down to ``like``'s shape (undoing broadcasting)."""
+    return grad.sum_to_size(like.shape) if grad.shape != like.shape else grad
+
+
+class _MulSavingBoth(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return torch.mul(a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a = _reduced(grad * b, a) if ctx.needs_input_grad[0] else None
+        grad_b = _reduced(grad * a, b) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
+class _DivSavingBoth(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b):
+        ctx.save_for_backward(a, b)
+        return torch.div(a, b)
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b = ctx.saved_tensors
+        grad_a = _reduced(grad / b, a) if ctx.needs_input_grad[0] else None
+        grad_b = _reduced(-grad * a / (b * b), b) if ctx.needs_input_grad[1] else None
+        return grad_a, grad_b
+
+
+def _one_requires_grad(args: tuple, kwargs: dict | None) -> bool:
+    if kwargs or len(args) != 2 or not torch.is_grad_enabled():
+        return False
+    a, b = args
+    if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+        return False
+    if not (a.is_floating_point() and b.is_floating_point()):
+        return False
+    return a.requires_grad != b.requires_grad
+
+
+class saving_every_operand(TorchFunctionMode):  # noqa: N801 (used as a context manager)
+    """Trace ``mul``/``div`` as autograd before PyTorch 1.8 saved them (module docstring)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if _one_requires_grad(args, kwargs):
+            if func in _MUL:
+                return _MulSavingBoth.apply(*args)
+            if func in _DIV:
+                return _DivSavingBoth.apply(*args)
+        return func(*args, **(kwargs or {}))
