@@ -412,6 +412,10 @@ class Request:
     candidates: tuple[int, ...] = ()
     """cuDNN benchmark: allocate the largest candidate that fits
     ``max(device free, largest cached block)`` (``size`` is ignored)."""
+    fallbacks: tuple[int, ...] = ()
+    """cuDNN without benchmark: the next engines' workspaces, tried in order when ``size``
+    cannot be allocated within the device (after the allocator frees its cache and
+    retries, as ``malloc`` does before it raises)."""
 
 
 @dataclass(frozen=True)
@@ -462,7 +466,13 @@ def replay(
             continue
         if request.is_alloc:
             try:
-                block = allocator.malloc(size, request.stream)
+                if request.fallbacks and limit is not None:
+                    sizes_tried = (size, *request.fallbacks)
+                    block, size = _first_that_fits(allocator, sizes_tried, limit, request.stream)
+                    if block is None:
+                        continue
+                else:
+                    block = allocator.malloc(size, request.stream)
             except OutOfMemory:
                 return ReplayResult(allocator.stats, sizes, oom_at=position)
             live[request.key] = (block, size)
@@ -471,3 +481,28 @@ def replay(
             block, size = live.pop(request.key)
             allocator.free(block, size)
     return ReplayResult(allocator.stats, sizes)
+
+
+def _first_that_fits(
+    allocator: CachingAllocator, sizes: tuple[int, ...], limit: int, stream: int
+) -> tuple[Block | None, int]:
+    """The block of the first of ``sizes`` the allocator can serve within ``limit`` (it
+    frees its cache and retries before failing), and that size; the last size is served
+    under the allocator's own capacity (its failure is the step's OOM; 0: no block).
+    With benchmark off, PyTorch's cuDNN v8 path allocates each config's workspace in
+    ``run_conv_plan`` and, when that raises ``OutOfMemoryError``, ``try_configs`` runs
+    the next config of the heuristic's list (``aten/src/ATen/native/cudnn/Conv_v8.cpp``;
+    ../shared/research/cudnn-and-floor.md)."""
+    capacity = allocator.capacity
+    allocator.capacity = limit if capacity is None else min(capacity, limit)
+    try:
+        for size in sizes[:-1]:
+            try:
+                return allocator.malloc(size, stream), size
+            except OutOfMemory:
+                continue
+    finally:
+        allocator.capacity = capacity
+    if sizes[-1] == 0:
+        return None, 0
+    return allocator.malloc(sizes[-1], stream), sizes[-1]

@@ -78,6 +78,15 @@ class Workspace:
     def pick(self, variant: str) -> int:
         return {"low": self.low, "central": self.central, "high": self.high}[variant]
 
+    def smaller_than(self, nbytes: int) -> tuple[int, ...]:
+        """The readings below ``nbytes``, largest first: the engines cuDNN falls back to
+        when a workspace of ``nbytes`` cannot be allocated.
+
+        >>> Workspace(0, 2**20, 2**30, (), "model").smaller_than(2**30)
+        (1048576, 0)
+        """
+        return tuple(sorted({s for s in (self.low, self.central) if s < nbytes}, reverse=True))
+
 
 def cases_of(marker) -> list[ConvCase]:
     """The cuDNN calls one traced convolution op makes, in order (a backward runs its

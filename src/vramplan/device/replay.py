@@ -42,6 +42,9 @@ class DeviceTrace:
     trace: Trace
     candidates: dict[int, tuple[int, ...]] = field(default_factory=dict)
     empty_cache: frozenset[int] = frozenset()
+    fallbacks: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """cuDNN without benchmark: the smaller workspaces of the next engines, tried when a
+    call's own cannot be allocated on the card."""
     workspaces: dict[ConvCase, Workspace] = field(default_factory=dict)
 
 
@@ -131,6 +134,7 @@ def device_trace(
                 allocations.append(_workspace(next_id, nbytes, slot, phase, iteration, op, None))
                 next_id += 1
     candidates: dict[int, tuple[int, ...]] = {}
+    fallbacks: dict[int, tuple[int, ...]] = {}
     empties: set[int] = set()
     workspaces: dict[ConvCase, Workspace] = {}
     for marker in trace.markers:
@@ -166,6 +170,8 @@ def device_trace(
                 allocations.append(
                     _workspace(next_id, nbytes, slot, marker.phase, iteration, WORKSPACE, slot + 1)
                 )
+                if not cudnn_benchmark:
+                    fallbacks[next_id] = workspaces[case].smaller_than(nbytes)
                 next_id += 1
             slot += 2
     phases = tuple(
@@ -175,7 +181,9 @@ def device_trace(
     on_device = replace(
         trace, allocations=tuple(allocations), phases=phases, event_count=trace.event_count * SPREAD
     )
-    return DeviceTrace(on_device, candidates, frozenset(empties), workspaces)
+    return DeviceTrace(
+        on_device, candidates, frozenset(empties), fallbacks=fallbacks, workspaces=workspaces
+    )
 
 
 def requests_of(on_device: DeviceTrace | Trace) -> list[Request]:
@@ -189,7 +197,12 @@ def requests_of(on_device: DeviceTrace | Trace) -> list[Request]:
             requests.append(Request(a.id, 0, False, a.stream, empty_cache=True))
         else:
             candidates = on_device.candidates.get(a.id, ()) if e.is_alloc else ()
-            requests.append(Request(a.id, a.nbytes, e.is_alloc, a.stream, candidates=candidates))
+            fallbacks = on_device.fallbacks.get(a.id, ()) if e.is_alloc else ()
+            requests.append(
+                Request(
+                    a.id, a.nbytes, e.is_alloc, a.stream, candidates=candidates, fallbacks=fallbacks
+                )
+            )
     return requests
 
 
