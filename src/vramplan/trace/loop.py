@@ -43,7 +43,9 @@ def run_steps(
     after_optimizer: Callable[[], None] = lambda: None,
 ) -> None:
     """Run ``iterations`` steps: forward+loss, backward (per micro-step), optimizer step,
-    ``zero_grad(set_to_none=True)``; inference runs forward under ``no_grad`` only."""
+    ``zero_grad(set_to_none=True)`` (after the first forward pass of the next step where
+    ``built.zero_grad_after_forward``, as Keras does); inference runs forward under
+    ``no_grad`` only."""
     for iteration in range(1, iterations + 1):
         if not recipe.is_training:
             mark_phase(Phase.FORWARD, iteration)
@@ -51,10 +53,12 @@ def run_steps(
                 output = built.run(model, batch, False)
             del output
             continue
-        for _ in range(micro_steps(recipe)):
+        for micro_step in range(micro_steps(recipe)):
             mark_phase(Phase.FORWARD, iteration)
             with autocast():
                 loss = built.run(model, batch, True)
+            if built.zero_grad_after_forward and micro_step == 0:
+                model.zero_grad(set_to_none=True)
             if recipe.grad_accum > 1:
                 loss = loss / recipe.grad_accum
             mark_phase(Phase.BACKWARD, iteration)
@@ -64,6 +68,9 @@ def run_steps(
         if optimizer is not None:
             optimizer.step()
             after_optimizer()
+        if built.zero_grad_after_forward:
+            continue
+        if optimizer is not None:
             optimizer.zero_grad(set_to_none=True)
         else:
             model.zero_grad(set_to_none=True)
