@@ -20,6 +20,7 @@ if importlib.util.find_spec("keras") is None:
     pytest.skip("keras is not installed", allow_module_level=True)
 
 from vramplan import Session  # noqa: E402
+from vramplan.errors import UserError  # noqa: E402
 from vramplan.measurement.run import cpu_peak_of  # noqa: E402
 from vramplan.pipeline import estimate_built  # noqa: E402
 from vramplan.recipe import Recipe  # noqa: E402
@@ -91,3 +92,6 @@ def test_tensorflow_max_batch_is_judged_by_tensorflow_memory(tmp_path):
     assert found.beyond.details["tensorflow"]["memory_limit_bytes"] == 64 * 2**20
     pytorch = Session(model, gpu="a100-40gb").estimate(batch_size=found.value + 1)
     assert pytorch.verdict.status == "fits"
+    tiny = Session(model, gpu="a100-40gb", framework="tensorflow", tf_memory_limit="1MiB")
+    with pytest.raises(UserError, match="runs out within TensorFlow's memory limit of 1,048,576"):
+        tiny.max_batch(batch_size=1)
