@@ -465,6 +465,12 @@ def keras_source(keras, model, recipe: Recipe, name: str) -> BuiltModel:
             "the optimizer step is Keras's own (keras.optimizers on the torch backend: its "
             "variables and its foreach update's temporaries)"
         )
+    if recipe.is_training and policy == "mixed_float16":
+        notes.append(
+            "model.compile wraps the optimizer in a LossScaleOptimizer under mixed_float16; "
+            "its unscaling of the gradients (a copy of every gradient during the update) "
+            "is not traced"
+        )
     return BuiltModel(
         name=name,
         architecture=type(model).__name__,
