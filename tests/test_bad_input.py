@@ -362,6 +362,11 @@ ESTIMATE_ONLY = [
 ]
 for name, flags, expected in ESTIMATE_ONLY:
     case(f"estimate-{name}", ["estimate", T, *flags], expected)
+# max-batch and plan take TensorFlow's runtime too (issue 20)
+for command in ("max-batch", "plan"):
+    for name, flags, expected in ESTIMATE_ONLY:
+        if name.startswith("tf-limit") or name in ("tf-growth-alone", "framework"):
+            case(f"{command}-{name}", [command, T, *CARD, *flags], expected)
 
 # -- generation and serving (issue 21) ---------------------------------------------------------
 GEN = ["--mode", "generate"]

@@ -165,12 +165,19 @@ def test_keras_cnn_bill_matches_pytorch():
     keras_estimate, torch_estimate = _bills(keras_cnn, TorchCnn, (3, 32, 32))
     ratio = keras_estimate.peak.allocated_bytes / torch_estimate.peak.allocated_bytes
     assert abs(ratio - 1) <= 0.05
-    assert keras_estimate.components == torch_estimate.components
+    keras_parts, torch_parts = dict(keras_estimate.components), dict(torch_estimate.components)
+    # the peak is the backward pass's: only the optimizers' scalars (Keras's bias-correction
+    # factors, torch's step counts) differ among the temporaries
+    assert abs(keras_parts.pop("temporaries") - torch_parts.pop("temporaries")) <= 64
+    assert keras_parts == torch_parts
 
 
 def test_keras_transformer_bill_near_pytorch():
-    """Within 10%, not 5%: Keras's EinsumDense projections (einsum, then a separate bias
-    add) keep more than nn.Linear's fused addmm; the rest of the bill is the same."""
+    """Within 10%, not 5%: in Keras's attention block an einsum copies a permuted operand
+    into torch.einsum's batched-matmul layout (aten::einsum > reshape > clone in PyTorch's
+    profiler) and autograd keeps the copy: one B x T x D tensor per block more than the
+    twin (benchmarks/results/2026-11-23-keras.md). A real Keras run keeps it too
+    (test_keras_ground_truth.py)."""
     keras_estimate, torch_estimate = _bills(keras_transformer, TorchTransformer, (T,))
     ratio = keras_estimate.peak.allocated_bytes / torch_estimate.peak.allocated_bytes
     assert 1 <= ratio <= 1.10

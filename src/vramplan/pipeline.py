@@ -80,8 +80,8 @@ def trace_and_estimate(
     if recipe.is_training and recipe.optimizer in MODELLED:
         notes.append(f"optimizer {recipe.optimizer}: {MODELLED[recipe.optimizer]}")
     how = implementation_note(recipe.optimizer, recipe.optimizer_impl, policy.optimizer_defaults())
-    if recipe.is_training and policy.name == "cuda" and how:
-        notes.append(how)
+    if recipe.is_training and policy.name == "cuda" and how and built.make_optimizer is None:
+        notes.append(how)  # torch.optim's step (a framework's own optimizer says its own)
     info = model_info(built.model, built.name, built.architecture, built.kind)
     result = estimate_from_trace(trace, info, recipe, policy.name, notes)
     if recipe.mode == "generate":

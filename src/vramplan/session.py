@@ -22,7 +22,7 @@ from torch import nn
 
 from vramplan.device.catalog import lookup_gpu
 from vramplan.device.measured import measured_for
-from vramplan.device.options import DEFAULT_GPU, device_options
+from vramplan.device.options import DEFAULT_GPU, DeviceOptions, device_options
 from vramplan.device.profile import profile_for
 from vramplan.device.tensorflow import tensorflow_memory, with_tensorflow
 from vramplan.distributed.facts import facts_of
@@ -43,6 +43,7 @@ from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.sources import BuiltModel, resolve, with_source
 from vramplan.sources.user_code import leading_dim, module_source
+from vramplan.trace.events import Trace
 from vramplan.units import parse_bytes
 
 TARGETS = ("cuda", "cpu")
@@ -352,14 +353,29 @@ class Session:
 
     def _workbench(self, default_gpu: str | None = None) -> Workbench:
         """The trace cache on this session's card (or on ``default_gpu`` when none)."""
+
+        def build(_name: str, recipe: Recipe) -> BuiltModel:
+            return self._build(recipe)
+
         if default_gpu is not None and self.device.gpu is None:
             options = replace(self.device, gpu=lookup_gpu(default_gpu))
-            return Workbench(self.name, options, lambda _name, r: self._build(r), self.log)
+            return Workbench(self.name, options, build, self.log, self._runtime_finish())
         if self._bench is None:
-            self._bench = Workbench(
-                self.name, self.device, lambda _name, r: self._build(r), self.log
-            )
+            self._bench = Workbench(self.name, self.device, build, self.log, self._runtime_finish())
         return self._bench
+
+    def _runtime_finish(self):
+        """TensorFlow's runtime over each traced step when ``framework="tensorflow"``, so
+        that the verdict, ``max_batch`` and ``plan`` judge what TensorFlow's allocator does
+        (None: PyTorch's caching allocator, already in the estimate)."""
+        if self.framework != "tensorflow":
+            return None
+        growth, limit = self.tf_memory_growth, self.tf_memory_limit
+
+        def finish(result: Estimate, trace: Trace, options: DeviceOptions) -> Estimate:
+            return with_tensorflow(result, tensorflow_memory(result, trace, options, growth, limit))
+
+        return finish
 
     def _single(self, recipe: Recipe) -> Estimate:
         if self.target == "cuda" and self.device.gpu is not None:
@@ -374,15 +390,11 @@ class Session:
         if self.target != "cuda":
             raise UserError("--framework tensorflow models a GPU; leave --target cpu out")
         if self.device.gpu is not None:
-            result, trace = self._workbench().run(recipe)
-        else:
-            result, trace = self._timed(
-                recipe, lambda: trace_and_estimate(self._build(recipe), recipe, "cuda", self.device)
-            )
-        memory = tensorflow_memory(
-            result, trace, self.device, self.tf_memory_growth, self.tf_memory_limit
+            return self._workbench().estimate(recipe)  # TensorFlow's runtime applied there
+        result, trace = self._timed(
+            recipe, lambda: trace_and_estimate(self._build(recipe), recipe, "cuda", self.device)
         )
-        return with_tensorflow(result, memory)
+        return self._runtime_finish()(result, trace, self.device)
 
     def _per_rank(self, recipe: Recipe, layout: ParallelLayout) -> Estimate:
         engine = engine_for(layout)

@@ -103,7 +103,8 @@ def _run(
         batch = built.make_batch(recipe.batch_size, getattr(torch, recipe.param_dtype_name))
     optimizer = None
     if recipe.is_training:
-        optimizer = build_optimizer(
+        optimizer = built.make_optimizer and built.make_optimizer(params, recipe)
+        optimizer = optimizer or build_optimizer(
             recipe.optimizer, params, policy.optimizer_defaults(), recipe.optimizer_impl
         )
 

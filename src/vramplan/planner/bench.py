@@ -114,6 +114,9 @@ class Workbench:
     device: DeviceOptions
     build: Callable[[str, Recipe], BuiltModel] = resolve
     log: TraceLog = field(default_factory=TraceLog)
+    finish: Callable[[Estimate, Trace, DeviceOptions], Estimate] | None = None
+    """What the framework's runtime makes of each traced step on a card (TensorFlow's
+    memory policy and BFC allocator, ``device/tensorflow.py``); None: PyTorch's."""
     _done: dict[str, tuple[Estimate, Trace]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -137,10 +140,13 @@ class Workbench:
         """The estimate and trace of ``recipe`` (traced once, then cached)."""
         key = recipe_key(recipe)
         if key not in self._done:
-            self._done[key] = self.timed(
+            estimate, trace = self.timed(
                 recipe,
                 lambda: trace_and_estimate(self.built(recipe), recipe, "cuda", self.device),
             )
+            if self.finish is not None:
+                estimate = self.finish(estimate, trace, self.device)
+            self._done[key] = estimate, trace
         return self._done[key]
 
     def estimate(self, recipe: Recipe) -> Estimate:
@@ -163,4 +169,5 @@ class Workbench:
         estimate, trace = self.run(recipe)
         options = replace(self.device, gpu=gpu, profile=profile_for(gpu.name))
         tensor_level = estimate_from_trace(trace, estimate.model, recipe, "cuda", list(trace.notes))
-        return apply_device(tensor_level, trace, options)
+        on_card = apply_device(tensor_level, trace, options)
+        return on_card if self.finish is None else self.finish(on_card, trace, options)

@@ -156,6 +156,14 @@ def _cannot_fit_message(bench: Workbench, recipe: Recipe, knob: str) -> str:
     estimate = bench.estimate(recipe)
     verdict = estimate.verdict
     missing = verdict.compared_bytes - verdict.usable_bytes
+    if missing <= 0:  # enough on the card, but the allocator runs out (TensorFlow's limit)
+        limit = estimate.details.get("tensorflow", {}).get("memory_limit_bytes")
+        within = f"TensorFlow's memory limit of {limit:,} bytes" if limit else "the card"
+        return (
+            f"{bench.model} does not fit {verdict.gpu} even at {KNOBS[knob]} "
+            f"{getattr(recipe, knob)}: the allocator runs out within {within}; "
+            "try `vramplan plan` for levers"
+        )
     return (
         f"{bench.model} does not fit {verdict.gpu} even at {KNOBS[knob]} "
         f"{getattr(recipe, knob)}: the high end of its range needs "

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramplan.recipe import Recipe
+
 Batch = Any
 
 
@@ -51,6 +53,14 @@ class BuiltModel:
     generator: Any = None
     """How ``generate`` calls the model (``sources/generation.py`` ``Generator``): set for
     transformers causal language models, None for models that do not generate."""
+    make_optimizer: Callable[[list[nn.Parameter], Recipe], Any] | None = None
+    """The framework's own optimizer over the trainable parameters, as a
+    ``torch.optim.Optimizer`` (Keras's update on its torch backend); None, or None
+    returned: vramplan's ``build_optimizer`` for ``--optimizer``."""
+    zero_grad_after_forward: bool = False
+    """Whether the framework's step clears the gradients after the forward pass rather than
+    after the optimizer step (Keras's ``train_step`` on the torch backend): the previous
+    step's gradients then stay alive through the next forward pass."""
 
 
 def classification_loss(output: Any, labels: torch.Tensor) -> torch.Tensor:

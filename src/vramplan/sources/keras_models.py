@@ -57,6 +57,19 @@ OPTIMIZERS = {
 (Adam/AdamW: two moments; RMSprop: one mean square; SGD: none, or one with momentum)."""
 
 
+KERAS_OPTIMIZERS = {
+    "adam": ("Adam", {}),
+    "adamw": ("AdamW", {}),
+    "sgd": ("SGD", {}),
+    "momentum": ("SGD", {"momentum": 0.9}),
+    "rmsprop": ("RMSprop", {}),
+    "adagrad": ("Adagrad", {}),
+    "lion": ("Lion", {}),
+    "adafactor": ("Adafactor", {}),
+}
+"""``--optimizer`` → the Keras optimizer class (and arguments) whose own update is traced."""
+
+
 def policy_for(precision: str) -> str | None:
     """The Keras dtype policy a ``--precision`` stands for (None: the model's own).
 
@@ -105,6 +118,31 @@ def keras_optimizer_name(optimizer: Any) -> str | None:
     if name == "SGD":
         return "momentum" if getattr(optimizer, "momentum", 0.0) else "sgd"
     return OPTIMIZERS.get(name)
+
+
+class KerasOptimizer(torch.optim.Optimizer):
+    """Keras's own optimizer behind ``torch.optim.Optimizer``'s interface: ``step()`` runs
+    ``keras_optimizer.apply`` (on the torch backend, ``torch._foreach_*`` updates with their
+    temporaries, e.g. Adam's ``m * alpha``, ``sqrt(v)``, ``sqrt(v) + eps`` and their
+    quotient at once), so the tracer's optimizer hooks see the step, and ``state`` holds
+    the variables Keras creates on its first step (moments, velocities)."""
+
+    def __init__(self, keras, keras_optimizer, model, params: list[nn.Parameter]) -> None:
+        super().__init__(params, {})
+        self.keras, self.keras_optimizer, self.model = keras, keras_optimizer, model
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        weights = list(self.model.trainable_weights)
+        grads = [weight.value.grad for weight in weights]
+        device = self.param_groups[0]["params"][0].device
+        with self.keras.device(str(device)):
+            self.keras_optimizer.apply(grads, weights)
+        self.state["keras"] = {
+            variable.path: variable.value
+            for variable in self.keras_optimizer.variables
+            if variable.value.dim() > 0
+        }
 
 
 def _custom_modules(config: Any) -> Iterator[str]:
@@ -411,6 +449,28 @@ def keras_source(keras, model, recipe: Recipe, name: str) -> BuiltModel:
             "jit_compile=True: XLA fuses ops and plans buffers itself; the traced step is "
             "the eager one (an upper bound on XLA's temporaries)"
         )
+
+    def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> KerasOptimizer | None:
+        if recipe.optimizer not in KERAS_OPTIMIZERS:
+            return None  # vramplan's own (8-bit, paged, ...): no Keras optimizer has it
+        if compiled is not None and wanted == recipe.optimizer:
+            keras_optimizer = type(compiled).from_config(compiled.get_config())
+        else:
+            class_name, arguments = KERAS_OPTIMIZERS[recipe.optimizer]
+            keras_optimizer = getattr(keras.optimizers, class_name)(**arguments)
+        return KerasOptimizer(keras, keras_optimizer, model, params)
+
+    if recipe.is_training and recipe.optimizer in KERAS_OPTIMIZERS:
+        notes.append(
+            "the optimizer step is Keras's own (keras.optimizers on the torch backend: its "
+            "variables and its foreach update's temporaries)"
+        )
+    if recipe.is_training and policy == "mixed_float16":
+        notes.append(
+            "model.compile wraps the optimizer in a LossScaleOptimizer under mixed_float16; "
+            "its unscaling of the gradients (a copy of every gradient during the update) "
+            "is not traced"
+        )
     return BuiltModel(
         name=name,
         architecture=type(model).__name__,
@@ -422,4 +482,6 @@ def keras_source(keras, model, recipe: Recipe, name: str) -> BuiltModel:
         notes=notes,
         repeat_blocks=False,
         input_hint="check --input-shape (one sample, channels last as Keras takes it)",
+        zero_grad_after_forward=True,
+        make_optimizer=make_optimizer,
     )

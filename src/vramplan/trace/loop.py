@@ -55,7 +55,9 @@ def run_steps(
 ) -> None:
     """Run ``iterations`` steps: forward+loss, backward (per micro-step), optimizer step,
     ``zero_grad(set_to_none=...)`` (``False``: gradients zeroed in place and kept, as
-    PyTorch before 2.0 did by default); inference runs forward under ``no_grad`` only."""
+    PyTorch before 2.0 did by default; after the first forward pass of the next step where
+    ``built.zero_grad_after_forward``, as Keras does); inference runs forward under
+    ``no_grad`` only."""
     for iteration in range(1, iterations + 1):
         if not recipe.is_training:
             mark_phase(Phase.FORWARD, iteration)
@@ -63,10 +65,12 @@ def run_steps(
                 output = built.run(model, batch, False)
             del output
             continue
-        for _ in range(micro_steps(recipe)):
+        for micro_step in range(micro_steps(recipe)):
             mark_phase(Phase.FORWARD, iteration)
             with autocast():
                 loss = built.run(model, batch, True)
+            if built.zero_grad_after_forward and micro_step == 0:
+                model.zero_grad(set_to_none=True)
             if recipe.grad_accum > 1:
                 loss = loss / recipe.grad_accum
             mark_phase(Phase.BACKWARD, iteration)
@@ -76,6 +80,9 @@ def run_steps(
         if optimizer is not None:
             optimizer.step()
             after_optimizer()
+        if built.zero_grad_after_forward:
+            continue
+        if optimizer is not None:
             optimizer.zero_grad(set_to_none=set_to_none)
         else:
             model.zero_grad(set_to_none=set_to_none)

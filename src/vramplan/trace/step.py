@@ -280,7 +280,8 @@ def trace_training(
             for each in step_in_backward(params, recipe.optimizer, policy.optimizer_defaults()):
                 _tag_optimizer_state(session.recorder, each)
         elif recipe.is_training:
-            optimizer = build_optimizer(
+            optimizer = built.make_optimizer and built.make_optimizer(params, recipe)
+            optimizer = optimizer or build_optimizer(
                 recipe.optimizer, params, policy.optimizer_defaults(), recipe.optimizer_impl
             )
             _tag_optimizer_state(session.recorder, optimizer)  # Adagrad's state is eager
