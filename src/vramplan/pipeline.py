@@ -94,15 +94,18 @@ def trace_and_estimate(
 
 def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None) -> Trace:
     """The trace of ``built``: its repeated blocks traced once and repeated where that is
-    exact (not under a distributed ``engine``, not with ``built.repeat_blocks`` off), else
+    exact (also as one rank of a distributed ``engine``; not with ``built.repeat_blocks``
+    off), else
     every block traced. Generation (``--mode generate``) is traced whole: one prefill and
     one decode step."""
     if recipe.mode == "generate":
         if engine is not None:
             raise UserError("--mode generate is traced on one GPU (no --fsdp)")
         return trace_generation(built, recipe, policy)
-    if engine is None and built.repeat_blocks:
-        trace, note = repeat_built(built, recipe, lambda b: trace_training(b, recipe, policy))
+    if built.repeat_blocks:
+        trace, note = repeat_built(
+            built, recipe, lambda b, r: trace_training(b, r, policy, engine)
+        )
         if trace is not None:
             return replace(trace, notes=(*trace.notes, note))
     else:
