@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import re
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
@@ -612,20 +613,28 @@ class _Rebuilder:
     """Short traces of the model cut to a few units of each stretch (memoised), and the
     full depth rebuilt from them one long stretch at a time."""
 
-    def __init__(self, built, recipe, run, parts, trace_model) -> None:
+    def __init__(self, built, recipe, run, parts, trace_model, kind) -> None:
         self.built, self.recipe, self.run, self.parts = built, recipe, run, parts
-        self.trace_model = trace_model
+        self.trace_model, self.kind = trace_model, kind
         self.expanding = [j for j, part in enumerate(parts) if part.expands]
         self.traces: dict[tuple[int, ...], Trace] = {}
+        self.kept = built.short_traces if built.short_traces is not None else {}
+        self.reused = 0
 
     def short(self, units: tuple[int, ...]) -> Trace:
         if units not in self.traces:
             blocks = sum(u * part.width for u, part in zip(units, self.parts, strict=True))
-            cut = truncated(self.built.model, self.run, blocks)
-            self.traces[units] = self.trace_model(
-                replace(self.built, model=cut, notes=list(self.built.notes)),
-                short_recipe(self.recipe, units),
-            )
+            recipe = short_recipe(self.recipe, units)
+            shape = json.dumps(recipe.to_json(), sort_keys=True)
+            key = (self.built.name, self.run, blocks, self.kind, shape)
+            if key in self.kept:
+                self.reused += 1
+            else:
+                cut = truncated(self.built.model, self.run, blocks)
+                self.kept[key] = self.trace_model(
+                    replace(self.built, model=cut, notes=list(self.built.notes)), recipe
+                )
+            self.traces[units] = self.kept[key]
         return self.traces[units]
 
     def rebuilt(self, targets: dict[int, int]) -> Trace:
@@ -638,7 +647,8 @@ class _Rebuilder:
         j = self.expanding[k]
         t2, t3 = (self._level(k + 1, units[:j] + [n] + units[j + 1 :], targets) for n in SHORT)
         width = self.parts[j].width
-        start = self.run.start + sum(u * p.width for u, p in zip(units[:j], self.parts))
+        before_run = zip(units[:j], self.parts[:j], strict=True)
+        start = self.run.start + sum(u * p.width for u, p in before_run)
         run = BlockRun(self.run.path, start, start + targets[j] * width, width)
         before, after = j > 0, j < len(self.parts) - 1
         full = expand(t2, t3, run, targets[j], side=int(before) - int(after))
@@ -646,16 +656,45 @@ class _Rebuilder:
             full,
             op_counts=scaled_counts(t2.op_counts, t3.op_counts, targets[j]),
             host_bytes=scaled_counts(t2.host_bytes, t3.host_bytes, targets[j]),
+            notes=scaled_notes(t2.notes, t3.notes, targets[j]),
         )
 
 
+def scaled_notes(n2: tuple[str, ...], n3: tuple[str, ...], full: int) -> tuple[str, ...]:
+    """The notes at depth ``full``: those that count blocks (FSDP2's ``fully_shard on 3
+    blocks``) counted again, linear in the number of blocks; others as they are.
+
+    >>> scaled_notes(("on 2 blocks", "bf16"), ("on 3 blocks", "bf16"), 32)
+    ('on 32 blocks', 'bf16')
+    """
+    if len(n2) != len(n3):
+        raise NotRepeatable("the short traces have different notes")
+    notes = []
+    for a, b in zip(n2, n3, strict=True):
+        words_a, words_b = re.split(r"(\d+)", a), re.split(r"(\d+)", b)
+        if len(words_a) != len(words_b) or words_a[::2] != words_b[::2]:
+            raise NotRepeatable("a note changes with the depth")
+        words = [
+            y if x == y else str(int(y) + (full - 3) * (int(y) - int(x)))
+            for x, y in zip(words_a, words_b, strict=True)
+        ]
+        notes.append("".join(words))
+    return tuple(notes)
+
+
 def repeat_built(
-    built: BuiltModel, recipe: Recipe, trace_model: Callable[[BuiltModel, Recipe], Trace]
+    built: BuiltModel,
+    recipe: Recipe,
+    trace_model: Callable[[BuiltModel, Recipe], Trace],
+    kind: tuple = (),
 ) -> tuple[Trace | None, str]:
     """The full trace of ``built`` from short ones (``trace_model(built, recipe)``), and a
     note; ``(None, reason)`` when the model has no run to repeat (reason empty) or the
     rebuild is not exact. Checkpointing some of the blocks splits the run into stretches
-    (``repeat_plan.segments``), each repeated on its own."""
+    (``repeat_plan.segments``), each repeated on its own. Short traces are kept in
+    ``built.short_traces`` (when given) under ``kind`` (what else shapes a trace: the
+    policy, a distributed engine) and the short recipe, so that estimates which differ only
+    in how many blocks are checkpointed share them."""
     model = built.model
     if not built.name.startswith(DEFAULT_SOURCES):
         return None, ""
@@ -666,7 +705,7 @@ def repeat_built(
     parts = segments(recipe, run.length)
     stack = ModuleStack()
     stack.name_modules(model)
-    rebuilder = _Rebuilder(built, recipe, run, parts, trace_model)
+    rebuilder = _Rebuilder(built, recipe, run, parts, trace_model, kind)
     if not rebuilder.expanding:
         return None, f"full trace: {label} have no stretch of more than {CHECK} alike"
     try:
@@ -688,7 +727,7 @@ def repeat_built(
 
 
 def _note(label: str, parts: tuple[Segment, ...], traces: int) -> str:
-    if len(parts) == 1:
+    if parts == (Segment(1, parts[0].units),):
         return (
             f"repeated blocks: traced {SHORT[0]} and {SHORT[1]} of the {label} and repeated "
             f"the block's events (rebuilds the {CHECK}-block trace exactly; --full-trace "
