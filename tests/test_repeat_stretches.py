@@ -1,6 +1,5 @@
 """Block repetition where the blocks are not all alike once the recipe is applied (some
-checkpointed, some not) and under FSDP2 on fake ranks: the rebuilt trace equals the full
-trace, event for event."""
+checkpointed, some not): the rebuilt trace equals the full trace, event for event."""
 
 from __future__ import annotations
 
@@ -9,14 +8,10 @@ import json
 import pytest
 
 from vramplan.device.options import device_options
-from vramplan.distributed.fsdp import Fsdp2
 from vramplan.pipeline import trace_and_estimate
 from vramplan.recipe import Recipe
 from vramplan.sources import resolve
 from vramplan.trace.repeat import same_events
-
-WORLD = 8
-
 
 def _llama(layers: int) -> dict:
     return {
@@ -38,17 +33,16 @@ def _short_runs_repeat_too(monkeypatch):
     monkeypatch.setattr("vramplan.trace.repeat.MIN_BLOCKS", 5)
 
 
-def _both(tmp_path, layers: int, engine=None, **knobs):
+def _both(tmp_path, layers: int, **knobs):
     path = tmp_path / "llama.json"
     path.write_text(json.dumps(_llama(layers)))
     recipe = Recipe(batch_size=2, seq_len=32, **knobs)
-    ranks = engine.world_size if engine else 1
-    device = device_options(gpu="a100-80gb", data_parallel=ranks)
+    device = device_options(gpu="a100-80gb")
     results = []
     for repeat in (False, True):
         built = resolve(f"hf:{path}", recipe)
         built.repeat_blocks = repeat
-        results.append(trace_and_estimate(built, recipe, "cuda", device, engine=engine))
+        results.append(trace_and_estimate(built, recipe, "cuda", device))
     return results
 
 
@@ -76,11 +70,3 @@ def test_every_second_block_checkpointed(tmp_path):
     full, repeated = _both(tmp_path, 10, checkpointing="every:2", precision="amp-bf16")
     note = "repeated blocks: the 10 model.layers blocks are stretches of 5 units of 2 blocks"
     _assert_equal(full, repeated, note)
-
-
-def test_fsdp_on_fake_ranks(tmp_path):
-    """One rank of FSDP2: per-block all-gathers and reduce-scatters repeat with the blocks;
-    FSDP2's note counts the real blocks."""
-    full, repeated = _both(tmp_path, 6, engine=Fsdp2(WORLD))
-    _assert_equal(full, repeated, "repeated blocks: traced 2 and 3 of the 6 model.layers")
-    assert any("fully_shard on 6 blocks" in n for n in repeated[0].notes)

@@ -94,15 +94,14 @@ def trace_and_estimate(
 
 def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None) -> Trace:
     """The trace of ``built``: its repeated blocks traced once and repeated where that is
-    exact (also as one rank of a distributed ``engine``; not with ``built.repeat_blocks``
-    off), else
+    exact (not under a distributed ``engine``, not with ``built.repeat_blocks`` off), else
     every block traced. Generation (``--mode generate``) is traced whole: one prefill and
     one decode step."""
     if recipe.mode == "generate":
         if engine is not None:
             raise UserError("--mode generate is traced on one GPU (no --fsdp)")
         return trace_generation(built, recipe, policy)
-    if built.repeat_blocks:
+    if engine is None and built.repeat_blocks:
         kind = (type(policy), policy.name, vars(policy).get("arch"), vars(policy).get("foreach"))
         kind += (engine,)
         trace, note = repeat_built(

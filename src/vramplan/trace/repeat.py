@@ -734,7 +734,9 @@ def _note(label: str, parts: tuple[Segment, ...], traces: int) -> str:
             "traces all)"
         )
     stretches = " and ".join(
-        f"{p.units} units of {p.width} blocks" if p.width > 1 else f"{p.units} blocks"
+        f"{p.units} units of {p.width} blocks"
+        if p.width > 1
+        else f"{p.units} block" + "s" * (p.units > 1)
         for p in parts
     )
     return (

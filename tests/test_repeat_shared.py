@@ -1,0 +1,83 @@
+"""A planner's estimates share block repetition's short traces, and plan's FLOP count (its
+recompute cost) is the whole depth's: both equal what tracing every block gives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vramplan.device.options import device_options
+from vramplan.planner.bench import Workbench
+from vramplan.planner.levers import step_flops
+from vramplan.recipe import Recipe
+from vramplan.sources import resolve
+from vramplan.trace import step
+
+
+@pytest.fixture(autouse=True)
+def _short_runs_repeat_too(monkeypatch):
+    """The tiny models here have 6-10 blocks; repetition's threshold is a speed policy."""
+    monkeypatch.setattr("vramplan.trace.repeat.MIN_BLOCKS", 5)
+
+
+@pytest.fixture
+def llama(tmp_path):
+    def spec(layers: int) -> str:
+        path = tmp_path / f"llama{layers}.json"
+        config = {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128,
+        }
+        path.write_text(json.dumps(config))
+        return f"hf:{path}"
+
+    return spec
+
+
+def _bench(spec: str, repeat: bool) -> Workbench:
+    def build(name: str, recipe: Recipe):
+        built = resolve(name, recipe)
+        built.repeat_blocks = repeat
+        return built
+
+    return Workbench(spec, device_options(gpu="a100-80gb"), build=build)
+
+
+def test_checkpointed_counts_share_short_traces(llama, monkeypatch):
+    """Checkpointing 5 and then 6 of 10 blocks: the second estimate runs no trace of its
+    own, and equals the full trace."""
+    calls = []
+    real = step.trace_training
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].checkpointing)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("vramplan.pipeline.trace_training", counted)
+    spec = llama(10)
+    bench = _bench(spec, repeat=True)
+    bench.estimate(Recipe(batch_size=2, seq_len=32, checkpointing="5"))
+    first = len(calls)
+    shared = bench.estimate(Recipe(batch_size=2, seq_len=32, checkpointing="6"))
+    assert first > 0 and len(calls) == first
+    full = _bench(spec, repeat=False).estimate(Recipe(batch_size=2, seq_len=32, checkpointing="6"))
+    assert shared.peak.allocated_bytes == full.peak.allocated_bytes
+    assert shared.components == full.components
+    assert shared.phase_peaks == full.phase_peaks
+
+
+def test_recompute_flops_are_the_whole_depths(llama):
+    """FlopCounterMode over a trace of every block is the ground truth."""
+    spec = llama(6)
+    for checkpointing in ("none", "full"):
+        recipe = Recipe(batch_size=2, seq_len=32, checkpointing=checkpointing)
+        repeated = step_flops(_bench(spec, repeat=True), recipe)
+        assert repeated == step_flops(_bench(spec, repeat=False), recipe)
