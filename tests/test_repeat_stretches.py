@@ -13,6 +13,7 @@ from vramplan.recipe import Recipe
 from vramplan.sources import resolve
 from vramplan.trace.repeat import same_events
 
+
 def _llama(layers: int) -> dict:
     return {
         "model_type": "llama",
