@@ -52,8 +52,8 @@ def _bench(spec: str, repeat: bool) -> Workbench:
 
 
 def test_checkpointed_counts_share_short_traces(llama, monkeypatch):
-    """Checkpointing 5 and then 6 of 10 blocks: the second estimate runs no trace of its
-    own, and equals the full trace."""
+    """Checkpointing 5 and then 6 of 11 blocks (both stretches long enough to repeat): the
+    second estimate runs no trace of its own, and equals the full trace."""
     calls = []
     real = step.trace_training
 
@@ -62,7 +62,7 @@ def test_checkpointed_counts_share_short_traces(llama, monkeypatch):
         return real(*args, **kwargs)
 
     monkeypatch.setattr("vramplan.pipeline.trace_training", counted)
-    spec = llama(10)
+    spec = llama(11)
     bench = _bench(spec, repeat=True)
     bench.estimate(Recipe(batch_size=2, seq_len=32, checkpointing="5"))
     first = len(calls)
