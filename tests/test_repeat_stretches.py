@@ -30,8 +30,9 @@ def _llama(layers: int) -> dict:
 
 @pytest.fixture(autouse=True)
 def _short_runs_repeat_too(monkeypatch):
-    """The tiny models here have 6-10 blocks; repetition's threshold is a speed policy."""
+    """The tiny models here have 10-16 blocks; repetition's thresholds are a speed policy."""
     monkeypatch.setattr("vramplan.trace.repeat.MIN_BLOCKS", 5)
+    monkeypatch.setattr("vramplan.trace.repeat.SHORTER", 10.0)
 
 
 def _both(tmp_path, layers: int, **knobs):

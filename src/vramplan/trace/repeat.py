@@ -45,6 +45,11 @@ MIN_BLOCKS = 16
 that find and check the pattern cost as much as a full trace of a 12-block model."""
 SHORT = (2, 3)
 """The depths traced: the pattern is their difference."""
+SHORTER = 0.6
+"""Stretches (some blocks checkpointed) are repeated for one estimate only when their short
+traces hold at most this share of the blocks (32 blocks checkpointed 12 and 20 plain take
+five short traces of 4-8 blocks: tracing all 32 costs less); a planner sharing the short
+traces between estimates always repeats them."""
 DEFAULT_SOURCES = ("hf:",)
 """Models repeated by default: those whose exactness the tests prove (GPT-2, BERT, ViT,
 Llama); any other model is traced whole."""
@@ -637,6 +642,16 @@ class _Rebuilder:
             self.traces[units] = self.kept[key]
         return self.traces[units]
 
+    def blocks_traced(self) -> int:
+        """Blocks in all the short traces (the check's included)."""
+        shapes = {()}
+        for j in self.expanding:
+            shapes = {(*shape, (j, n)) for shape in shapes for n in SHORT}
+        leaves = [dict(shape) for shape in shapes] + [dict.fromkeys(self.expanding, CHECK)]
+        return sum(
+            sum(leaf.get(j, p.units) * p.width for j, p in enumerate(self.parts)) for leaf in leaves
+        )
+
     def rebuilt(self, targets: dict[int, int]) -> Trace:
         """The trace with each long stretch ``j`` at ``targets[j]`` units."""
         return self._level(0, [part.units for part in self.parts], targets)
@@ -708,6 +723,13 @@ def repeat_built(
     rebuilder = _Rebuilder(built, recipe, run, parts, trace_model, kind)
     if not rebuilder.expanding:
         return None, f"full trace: {label} have no stretch of more than {CHECK} alike"
+    if len(parts) > 1 and built.short_traces is None:
+        short = rebuilder.blocks_traced()
+        if short > SHORTER * run.length:
+            return None, (
+                f"full trace: {label} checkpointed in part would take short traces of "
+                f"{short} blocks in all"
+            )
     try:
         _check_recomputed(model, run, built, recipe)
         check = {j: CHECK for j in rebuilder.expanding}
