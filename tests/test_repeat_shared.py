@@ -49,7 +49,9 @@ def _bench(spec: str, repeat: bool) -> Workbench:
         built.repeat_blocks = repeat
         return built
 
-    return Workbench(spec, device_options(gpu="a100-80gb"), build=build)
+    bench = Workbench(spec, device_options(gpu="a100-80gb"), build=build)
+    bench.shares_short_traces = True  # as plan's bench does
+    return bench
 
 
 def test_checkpointed_counts_share_short_traces(llama, monkeypatch):

@@ -115,6 +115,7 @@ class Workbench:
     build: Callable[[str, Recipe], BuiltModel] = resolve
     log: TraceLog = field(default_factory=TraceLog)
     _done: dict[str, tuple[Estimate, Trace]] = field(default_factory=dict)
+    shares_short_traces: bool = False
     _short_traces: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -131,10 +132,12 @@ class Workbench:
         return self.log.timed(trace_label(self.model, recipe, what), run)
 
     def built(self, recipe: Recipe) -> BuiltModel:
-        """The model built (on the meta device) for ``recipe``; its repeated blocks' short
-        traces are shared between this bench's estimates (``trace/repeat.py``)."""
+        """The model built (on the meta device) for ``recipe``; with
+        ``shares_short_traces`` (``plan``), its repeated blocks' short traces are shared
+        between this bench's estimates (``trace/repeat.py``)."""
         built = self.build(self.model, recipe)
-        built.short_traces = self._short_traces
+        if self.shares_short_traces:
+            built.short_traces = self._short_traces
         return built
 
     def run(self, recipe: Recipe) -> tuple[Estimate, Trace]:

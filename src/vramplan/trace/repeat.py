@@ -48,8 +48,8 @@ SHORT = (2, 3)
 SHORTER = 0.6
 """Stretches (some blocks checkpointed) are repeated for one estimate only when their short
 traces hold at most this share of the blocks (32 blocks checkpointed 12 and 20 plain take
-five short traces of 4-8 blocks: tracing all 32 costs less); a planner sharing the short
-traces between estimates always repeats them."""
+five short traces of 4-8 blocks: tracing all 32 costs less); ``plan``, which shares the
+short traces between its estimates, always repeats them."""
 DEFAULT_SOURCES = ("hf:",)
 """Models repeated by default: those whose exactness the tests prove (GPT-2, BERT, ViT,
 Llama); any other model is traced whole."""
