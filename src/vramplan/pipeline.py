@@ -103,10 +103,7 @@ def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any 
         return trace_generation(built, recipe, policy)
     if engine is None and built.repeat_blocks:
         kind = (type(policy), policy.name, vars(policy).get("arch"), vars(policy).get("foreach"))
-        kind += (engine,)
-        trace, note = repeat_built(
-            built, recipe, lambda b, r: _trace_counted(b, r, policy, engine), kind
-        )
+        trace, note = repeat_built(built, recipe, lambda b, r: _trace_counted(b, r, policy), kind)
         if trace is not None:
             return replace(trace, notes=(*trace.notes, note))
     else:
@@ -115,7 +112,9 @@ def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any 
     return replace(trace, notes=(*trace.notes, note)) if note else trace
 
 
-def _trace_counted(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any) -> Trace:
+def _trace_counted(
+    built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None
+) -> Trace:
     """``trace_training``; under a FLOP-counting policy (``policy.counter``, plan's
     recompute cost) the trace keeps its FLOPs in its op counts (``FLOPS_KEY``)."""
     trace = trace_training(built, recipe, policy, engine)
