@@ -26,7 +26,7 @@ from vramplan.result import Component, Estimate, ModelInfo
 from vramplan.sources import BuiltModel
 from vramplan.sources.hf_attention import check_attention_target
 from vramplan.sources.quantized import packed_numel_missing
-from vramplan.trace.events import Trace
+from vramplan.trace.events import FLOPS_KEY, Trace
 from vramplan.trace.generate import generation_details, trace_generation
 from vramplan.trace.materialize import unique_parameters
 from vramplan.trace.policy import DevicePolicy, policy_for
@@ -114,13 +114,26 @@ def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any 
             raise UserError("--mode generate is traced on one GPU (no --fsdp)")
         return trace_generation(built, recipe, policy)
     if engine is None and built.repeat_blocks:
-        trace, note = repeat_built(built, recipe, lambda b: trace_training(b, recipe, policy))
+        kind = (type(policy), policy.name, vars(policy).get("arch"), vars(policy).get("foreach"))
+        trace, note = repeat_built(built, recipe, lambda b, r: _trace_counted(b, r, policy), kind)
         if trace is not None:
             return replace(trace, notes=(*trace.notes, note))
     else:
         note = ""
-    trace = trace_training(built, recipe, policy, engine)
+    trace = _trace_counted(built, recipe, policy, engine)
     return replace(trace, notes=(*trace.notes, note)) if note else trace
+
+
+def _trace_counted(
+    built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None
+) -> Trace:
+    """``trace_training``; under a FLOP-counting policy (``policy.counter``, plan's
+    recompute cost) the trace keeps its FLOPs in its op counts (``FLOPS_KEY``)."""
+    trace = trace_training(built, recipe, policy, engine)
+    counter = getattr(policy, "counter", None)
+    if counter is None:
+        return trace
+    return replace(trace, op_counts={**trace.op_counts, FLOPS_KEY: counter.get_total_flops()})
 
 
 def estimate_user_step(

@@ -64,6 +64,7 @@ def answer_plan(
     """Levers on ``bench``'s card; the GPUs needed when none of them fits; every catalog
     card (``judge_every_gpu``) or just this one, with the levers that make each fit."""
     before = bench.traces
+    bench.shares_short_traces = True  # its estimates differ in the checkpointed count
     levers = plan_levers(bench, recipe)
     needed, needed_note = None, ""
     if not judge_every_gpu and levers.baseline.verdict.status != "fits" and levers.plan is None:

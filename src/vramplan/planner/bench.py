@@ -118,6 +118,8 @@ class Workbench:
     """What the framework's runtime makes of each traced step on a card (TensorFlow's
     memory policy and BFC allocator, ``device/tensorflow.py``); None: PyTorch's."""
     _done: dict[str, tuple[Estimate, Trace]] = field(default_factory=dict)
+    shares_short_traces: bool = False
+    _short_traces: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device.gpu is None:
@@ -133,8 +135,13 @@ class Workbench:
         return self.log.timed(trace_label(self.model, recipe, what), run)
 
     def built(self, recipe: Recipe) -> BuiltModel:
-        """The model built (on the meta device) for ``recipe``."""
-        return self.build(self.model, recipe)
+        """The model built (on the meta device) for ``recipe``; with
+        ``shares_short_traces`` (``plan``), its repeated blocks' short traces are shared
+        between this bench's estimates (``trace/repeat.py``)."""
+        built = self.build(self.model, recipe)
+        if self.shares_short_traces:
+            built.short_traces = self._short_traces
+        return built
 
     def run(self, recipe: Recipe) -> tuple[Estimate, Trace]:
         """The estimate and trace of ``recipe`` (traced once, then cached)."""

@@ -17,6 +17,7 @@ from vramplan.pipeline import trace_and_estimate
 from vramplan.planner.bench import Workbench
 from vramplan.recipe import FUSED_OPTIMIZERS, Recipe
 from vramplan.result import Estimate
+from vramplan.trace.events import FLOPS_KEY
 from vramplan.trace.policy import CudaPolicy
 
 ADAM_FAMILY = ("adam", "adamw")
@@ -124,12 +125,12 @@ class _CountingPolicy(CudaPolicy):
 def step_flops(bench: Workbench, recipe: Recipe) -> int:
     """FLOPs of the traced run (two iterations) under ``recipe``."""
     policy = _CountingPolicy(bench.device.card.arch)
-    bench.timed(
+    _, trace = bench.timed(
         recipe,
         lambda: trace_and_estimate(bench.built(recipe), recipe, "cuda", bench.device, policy),
         "FLOPs",
     )
-    return policy.counter.get_total_flops()
+    return trace.op_counts[FLOPS_KEY]  # the whole depth's, where blocks were repeated
 
 
 def _mixed_precision(bench: Workbench) -> str:

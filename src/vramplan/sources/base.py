@@ -50,6 +50,9 @@ class BuiltModel:
     """Whether the input has a token/sequence length that ``--seq-len`` sets."""
     input_hint: str = "check --input-shape / --seq-len"
     """What to check when the model fails on the example batch."""
+    short_traces: dict | None = None
+    """Where block repetition keeps its short traces for reuse by later estimates of the
+    same model on the same card (a planner's ``Workbench`` passes one; None: not kept)."""
     generator: Any = None
     """How ``generate`` calls the model (``sources/generation.py`` ``Generator``): set for
     transformers causal language models, None for models that do not generate."""

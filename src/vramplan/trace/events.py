@@ -61,6 +61,11 @@ class Event(NamedTuple):
         return self.allocation.nbytes if self.is_alloc else -self.allocation.nbytes
 
 
+FLOPS_KEY = ("flops", "total")
+"""The op-count key under which a FLOP-counting trace keeps its FLOPs (linear in the
+blocks, so block repetition scales it like the op counts)."""
+
+
 @dataclass(frozen=True)
 class Trace:
     """All allocations of a traced run, ordered by event index."""

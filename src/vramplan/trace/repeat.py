@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import copy
 import difflib
+import json
 import re
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
@@ -37,17 +38,21 @@ from vramplan.sources.base import BuiltModel
 from vramplan.sources.blocks import block_containers
 from vramplan.trace.events import Allocation, PhaseMark, Trace
 from vramplan.trace.modules import ModuleStack
+from vramplan.trace.repeat_plan import CHECK, Segment, recomputed, segments, short_recipe
 
 MIN_BLOCKS = 16
 """Fewer repeated blocks than this are traced as they are: the 2-, 3- and 4-block traces
 that find and check the pattern cost as much as a full trace of a 12-block model."""
 SHORT = (2, 3)
 """The depths traced: the pattern is their difference."""
+SHORTER = 0.6
+"""Stretches (some blocks checkpointed) are repeated for one estimate only when their short
+traces hold at most this share of the blocks (32 blocks checkpointed 12 and 20 plain take
+five short traces of 4-8 blocks: tracing all 32 costs less); ``plan``, which shares the
+short traces between its estimates, always repeats them."""
 DEFAULT_SOURCES = ("hf:",)
 """Models repeated by default: those whose exactness the tests prove (GPT-2, BERT, ViT,
 Llama); any other model is traced whole."""
-CHECK = 4
-"""The depth also traced to check the pattern: rebuilt from ``SHORT`` it must match."""
 _INDEX_WORDS = ("idx", "index", "layer_id", "layer_number", "layer_num")
 _PLAIN = (int, float, str, bool, type(None))
 
@@ -58,11 +63,14 @@ class NotRepeatable(Exception):  # noqa: N818 - a reason, not an error to the us
 
 @dataclass(frozen=True)
 class BlockRun:
-    """Blocks ``start .. end - 1`` of the container at ``path`` are identical."""
+    """Blocks ``start .. end - 1`` of the container at ``path`` are identical; with
+    ``width`` above one, what repeats is a unit of that many consecutive blocks (every
+    second block checkpointed: a plain block and a checkpointed one)."""
 
     path: str
     start: int
     end: int
+    width: int = 1
 
     @property
     def length(self) -> int:
@@ -150,7 +158,7 @@ def truncated(model: nn.Module, run: BlockRun, blocks: int) -> nn.Module:
 
 class _Names:
     """Module names: ``path.i`` of a short trace, normalised (for matching) or renamed
-    (for the full depth)."""
+    (for the full depth). ``blocks`` and ``full`` count units of ``run.width`` blocks."""
 
     def __init__(self, run: BlockRun, blocks: int, full: int) -> None:
         self.run, self.blocks, self.full = run, blocks, full
@@ -164,24 +172,27 @@ class _Names:
         i = self.index(module)
         if i is None or i < self.run.start:
             return module
-        if i < self.run.start + self.blocks:
-            return self.pattern.sub(f"{self.run.path}.#", module)
-        return self.pattern.sub(f"{self.run.path}.+{i - self.run.start - self.blocks}", module)
+        width, offset = self.run.width, i - self.run.start
+        if offset < self.blocks * width:
+            return self.pattern.sub(f"{self.run.path}.#{offset % width}", module)
+        return self.pattern.sub(f"{self.run.path}.+{offset - self.blocks * width}", module)
 
     def renamed(self, module: str, shift: int | None) -> str:
-        """``module`` of the 3-block trace as named at full depth; ``shift`` moves a block
+        """``module`` of the 3-block trace as named at full depth; ``shift`` moves a unit
         of the run (None: a module outside the run's middle)."""
         i = self.index(module)
         if i is None or i < self.run.start:
             return module
-        if i >= self.run.start + self.blocks:
-            new = i + self.full - self.blocks
+        width, offset = self.run.width, i - self.run.start
+        unit, within = divmod(offset, width)
+        if unit >= self.blocks:
+            new = i + (self.full - self.blocks) * width
         elif shift is not None:
-            new = i + shift
-        elif i == self.run.start:
+            new = i + shift * width
+        elif unit == 0:
             new = i
-        elif i == self.run.start + self.blocks - 1:
-            new = self.run.start + self.full - 1
+        elif unit == self.blocks - 1:
+            new = self.run.start + (self.full - 1) * width + within
         else:
             raise NotRepeatable(f"{module} is used outside its block")
         return self.pattern.sub(f"{self.run.path}.{new}", module)
@@ -233,11 +244,15 @@ class _Region:
         return 0 if (window == "-") == (self.sign > 0) else 2
 
 
-def _regions(tok2: list[tuple], tok3: list[tuple]) -> list[_Region]:
+def _regions(tok2: list[tuple], tok3: list[tuple], slots3, side: int = 0) -> list[_Region]:
     """The inserted runs, each moved (where the tokens allow) so that the period before and
-    after it repeat it."""
+    after it repeat it. With ``side`` (+1: blocks that look alike sit only before the run,
+    -1: only after it; gradients freed by ``zero_grad`` carry no module name), runs are put
+    as late (early) as that allows, and a run of frees where the storages born in the other
+    runs die (``_follow_births``)."""
     matcher = difflib.SequenceMatcher(None, tok2, tok3, autojunk=False)
     regions = []
+    spans: list[tuple[_Region, int, int]] = []
     for tag, _i1, _i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
             continue
@@ -262,8 +277,38 @@ def _regions(tok2: list[tuple], tok3: list[tuple]) -> list[_Region]:
         while high + 2 * d < len(tok3) and tok3[high] == tok3[high + d]:
             high += 1
         region.q = (low + high) // 2
+        if side and low + d <= high - d:
+            region.q = high - d if side > 0 else low + d
+            spans.append((region, low + d, high - d))
+    if spans:
+        _follow_births(spans, regions, tok3, slots3)
+    for region in regions:
         region.start, region.end = _same_iteration(tok3, region)
     return regions
+
+
+def _follow_births(spans, regions: list[_Region], tok3: list[tuple], slots3) -> None:
+    """Move each run of frees (within its ``(region, lowest, highest)`` span) to where the
+    most storages born in another run's window die: a list freed in reverse, or gradients
+    freed in parameter order, belong to the block whose storages they free."""
+    born_in_run = [False] * len(tok3)
+    for region in regions:
+        run = tok3[region.q : region.q + region.d]
+        if sum(1 for t in run if t and t[0]) * 2 > region.d:
+            born_in_run[region.q : region.q + region.d] = [True] * region.d
+    hit = [0] * (len(tok3) + 1)  # prefix sums: frees of storages born in a run
+    for pos, s in enumerate(slots3):
+        freed = s is not None and not s[1] and born_in_run[s[0].alloc_index]
+        hit[pos + 1] = hit[pos] + freed
+    for region, lowest, highest in spans:
+        run = tok3[region.q : region.q + region.d]
+        if sum(1 for t in run if t and not t[0]) * 2 <= region.d:
+            continue
+        d = region.d
+        best = hit[region.q + d] - hit[region.q]
+        for q in range(lowest, highest + 1):
+            if hit[q + d] - hit[q] > best:
+                region.q, best = q, hit[q + d] - hit[q]
 
 
 def _same_iteration(tok3: list[tuple], region: _Region) -> tuple[int, int]:
@@ -355,13 +400,14 @@ def _orient(regions: list[_Region], slots3, labels) -> None:
         region.sign = known.get(j, 1)
 
 
-def expand(t2: Trace, t3: Trace, run: BlockRun, full: int) -> Trace:
-    """The trace of the model with ``full`` blocks in the run, from its 2- and 3-block
-    traces; raises ``NotRepeatable`` unless the rebuild is exact."""
+def expand(t2: Trace, t3: Trace, run: BlockRun, full: int, side: int = 0) -> Trace:
+    """The trace of the model with ``full`` blocks (units) in the run, from its 2- and
+    3-block traces; raises ``NotRepeatable`` unless the rebuild is exact. ``side``: +1
+    when alike blocks come only before the run, -1 only after it (``_regions``)."""
     names = _Names(run, 3, full)
     slots2, slots3 = _slots(t2), _slots(t3)
     tok2, tok3 = _tokens(slots2, _Names(run, 2, full)), _tokens(slots3, names)
-    regions = _regions(tok2, tok3)
+    regions = _regions(tok2, tok3, slots3, side)
     if sum(r.d for r in regions) != len(tok3) - len(tok2):
         raise NotRepeatable("the extra block is not one insertion per stretch")
     regions.sort(key=lambda r: r.q)
@@ -550,11 +596,120 @@ def scaled_counts(c2: dict, c3: dict, full: int) -> dict:
     return {k: v for k, v in counts.items() if v}
 
 
+def _check_recomputed(model: nn.Module, run: BlockRun, built: BuiltModel, recipe: Recipe) -> None:
+    """The blocks the recipe checkpoints are the run's, in order: on a copy with
+    checkpointing applied, blocks meant to recompute alike and the others alike."""
+    if not recipe.is_training or recipe.checkpointing in ("none", "full", "op"):
+        return
+    copied = copy.deepcopy(model)
+    built.enable_checkpointing(
+        copied, recipe.checkpoint_blocks, recipe.checkpoint_every, recipe.checkpoint_ops
+    )
+    children = list(copied.get_submodule(run.path).children())[run.start : run.end]
+    seen: dict[bool, tuple] = {}
+    for flag, child in zip(recomputed(recipe, run.length), children, strict=True):
+        if seen.setdefault(flag, signature(child)) != signature(child):
+            raise NotRepeatable("the checkpointed blocks are not the repeated ones")
+    if len(seen) == 2 and seen[True] == seen[False]:
+        raise NotRepeatable("checkpointing leaves no mark on the blocks")
+
+
+class _Rebuilder:
+    """Short traces of the model cut to a few units of each stretch (memoised), and the
+    full depth rebuilt from them one long stretch at a time."""
+
+    def __init__(self, built, recipe, run, parts, trace_model, kind) -> None:
+        self.built, self.recipe, self.run, self.parts = built, recipe, run, parts
+        self.trace_model, self.kind = trace_model, kind
+        self.expanding = [j for j, part in enumerate(parts) if part.expands]
+        self.traces: dict[tuple[int, ...], Trace] = {}
+        self.kept = built.short_traces if built.short_traces is not None else {}
+        self.reused = 0
+
+    def short(self, units: tuple[int, ...]) -> Trace:
+        if units not in self.traces:
+            blocks = sum(u * part.width for u, part in zip(units, self.parts, strict=True))
+            recipe = short_recipe(self.recipe, units)
+            shape = json.dumps(recipe.to_json(), sort_keys=True)
+            key = (self.built.name, self.run, blocks, self.kind, shape)
+            if key in self.kept:
+                self.reused += 1
+            else:
+                cut = truncated(self.built.model, self.run, blocks)
+                self.kept[key] = self.trace_model(
+                    replace(self.built, model=cut, notes=list(self.built.notes)), recipe
+                )
+            self.traces[units] = self.kept[key]
+        return self.traces[units]
+
+    def blocks_traced(self) -> int:
+        """Blocks in all the short traces (the check's included)."""
+        shapes = {()}
+        for j in self.expanding:
+            shapes = {(*shape, (j, n)) for shape in shapes for n in SHORT}
+        leaves = [dict(shape) for shape in shapes] + [dict.fromkeys(self.expanding, CHECK)]
+        return sum(
+            sum(leaf.get(j, p.units) * p.width for j, p in enumerate(self.parts)) for leaf in leaves
+        )
+
+    def rebuilt(self, targets: dict[int, int]) -> Trace:
+        """The trace with each long stretch ``j`` at ``targets[j]`` units."""
+        return self._level(0, [part.units for part in self.parts], targets)
+
+    def _level(self, k: int, units: list[int], targets: dict[int, int]) -> Trace:
+        if k == len(self.expanding):
+            return self.short(tuple(units))
+        j = self.expanding[k]
+        t2, t3 = (self._level(k + 1, units[:j] + [n] + units[j + 1 :], targets) for n in SHORT)
+        width = self.parts[j].width
+        before_run = zip(units[:j], self.parts[:j], strict=True)
+        start = self.run.start + sum(u * p.width for u, p in before_run)
+        run = BlockRun(self.run.path, start, start + targets[j] * width, width)
+        before, after = j > 0, j < len(self.parts) - 1
+        full = expand(t2, t3, run, targets[j], side=int(before) - int(after))
+        return replace(
+            full,
+            op_counts=scaled_counts(t2.op_counts, t3.op_counts, targets[j]),
+            host_bytes=scaled_counts(t2.host_bytes, t3.host_bytes, targets[j]),
+            notes=scaled_notes(t2.notes, t3.notes, targets[j]),
+        )
+
+
+def scaled_notes(n2: tuple[str, ...], n3: tuple[str, ...], full: int) -> tuple[str, ...]:
+    """The notes at depth ``full``: those that count blocks (FSDP2's ``fully_shard on 3
+    blocks``) counted again, linear in the number of blocks; others as they are.
+
+    >>> scaled_notes(("on 2 blocks", "bf16"), ("on 3 blocks", "bf16"), 32)
+    ('on 32 blocks', 'bf16')
+    """
+    if len(n2) != len(n3):
+        raise NotRepeatable("the short traces have different notes")
+    notes = []
+    for a, b in zip(n2, n3, strict=True):
+        words_a, words_b = re.split(r"(\d+)", a), re.split(r"(\d+)", b)
+        if len(words_a) != len(words_b) or words_a[::2] != words_b[::2]:
+            raise NotRepeatable("a note changes with the depth")
+        words = [
+            y if x == y else str(int(y) + (full - 3) * (int(y) - int(x)))
+            for x, y in zip(words_a, words_b, strict=True)
+        ]
+        notes.append("".join(words))
+    return tuple(notes)
+
+
 def repeat_built(
-    built: BuiltModel, recipe: Recipe, trace_model: Callable[[BuiltModel], Trace]
+    built: BuiltModel,
+    recipe: Recipe,
+    trace_model: Callable[[BuiltModel, Recipe], Trace],
+    kind: tuple = (),
 ) -> tuple[Trace | None, str]:
-    """The full trace of ``built`` from two short ones, and a note; ``(None, reason)`` when
-    the model has no run to repeat (reason empty) or the rebuild is not exact."""
+    """The full trace of ``built`` from short ones (``trace_model(built, recipe)``), and a
+    note; ``(None, reason)`` when the model has no run to repeat (reason empty) or the
+    rebuild is not exact. Checkpointing some of the blocks splits the run into stretches
+    (``repeat_plan.segments``), each repeated on its own. Short traces are kept in
+    ``built.short_traces`` (when given) under ``kind`` (what else shapes a trace: the
+    policy, a distributed engine) and the short recipe, so that estimates which differ only
+    in how many blocks are checkpointed share them."""
     model = built.model
     if not built.name.startswith(DEFAULT_SOURCES):
         return None, ""
@@ -562,23 +717,26 @@ def repeat_built(
     if run is None:
         return None, ""
     label = f"{run.length} {run.path} blocks"
-    limit = recipe.checkpoint_blocks
-    partial = (limit is not None and run.start < limit < run.end) or recipe.checkpoint_every > 1
-    if recipe.is_training and recipe.checkpointing != "none" and partial:
-        return None, f"full trace: {label} mix checkpointed and plain ones"
+    parts = segments(recipe, run.length)
     stack = ModuleStack()
     stack.name_modules(model)
-
-    def short(blocks: int) -> Trace:
-        cut = truncated(model, run, blocks)
-        return trace_model(replace(built, model=cut, notes=list(built.notes)))
-
+    rebuilder = _Rebuilder(built, recipe, run, parts, trace_model, kind)
+    if not rebuilder.expanding:
+        return None, f"full trace: {label} have no stretch of more than {CHECK} alike"
+    if len(parts) > 1 and built.short_traces is None:
+        short = rebuilder.blocks_traced()
+        if short > SHORTER * run.length:
+            return None, (
+                f"full trace: {label} checkpointed in part would take short traces of "
+                f"{short} blocks in all"
+            )
     try:
-        t2, t3 = short(SHORT[0]), short(SHORT[1])
-        rebuilt = expand(t2, t3, run, CHECK)
-        if not same_events(rebuilt, short(CHECK)):
+        _check_recomputed(model, run, built, recipe)
+        check = {j: CHECK for j in rebuilder.expanding}
+        wanted = tuple(CHECK if j in check else p.units for j, p in enumerate(parts))
+        if not same_events(rebuilder.rebuilt(check), rebuilder.short(wanted)):
             raise NotRepeatable(f"the pattern does not rebuild the {CHECK}-block trace")
-        full = expand(t2, t3, run, run.length)
+        trace = rebuilder.rebuilt({j: parts[j].units for j in rebuilder.expanding})
     except NotRepeatable as exc:
         return None, f"full trace: {label} do not repeat exactly ({exc})"
     except Exception as exc:  # a model that cannot be cut: trace it whole
@@ -586,14 +744,25 @@ def repeat_built(
     dtype = getattr(torch, recipe.param_dtype_name)
     if dtype != torch.float32:
         model.to(dtype)  # as the traced copies were
-    trace = replace(
-        full,
-        op_counts=scaled_counts(t2.op_counts, t3.op_counts, run.length),
-        host_bytes=scaled_counts(t2.host_bytes, t3.host_bytes, run.length),
-        module_kinds=dict(stack.kinds),
+    trace = replace(trace, module_kinds=dict(stack.kinds))
+    return trace, _note(label, parts, len(rebuilder.traces))
+
+
+def _note(label: str, parts: tuple[Segment, ...], traces: int) -> str:
+    if parts == (Segment(1, parts[0].units),):
+        return (
+            f"repeated blocks: traced {SHORT[0]} and {SHORT[1]} of the {label} and repeated "
+            f"the block's events (rebuilds the {CHECK}-block trace exactly; --full-trace "
+            "traces all)"
+        )
+    stretches = " and ".join(
+        f"{p.units} units of {p.width} blocks"
+        if p.width > 1
+        else f"{p.units} block" + "s" * (p.units > 1)
+        for p in parts
     )
-    note = (
-        f"repeated blocks: traced {SHORT[0]} and {SHORT[1]} of the {label} and repeated the "
-        f"block's events (rebuilds the {CHECK}-block trace exactly; --full-trace traces all)"
+    return (
+        f"repeated blocks: the {label} are stretches of {stretches} (checkpointed or not); "
+        f"traced {traces} short versions and repeated each stretch's events (rebuilds the "
+        f"{CHECK}-unit trace exactly; --full-trace traces all)"
     )
-    return trace, note

@@ -1,0 +1,95 @@
+"""A planner's estimates share block repetition's short traces, and plan's FLOP count (its
+recompute cost) is the whole depth's: both equal what tracing every block gives."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vramplan.device.options import device_options
+from vramplan.planner.bench import Workbench
+from vramplan.planner.levers import step_flops
+from vramplan.recipe import Recipe
+from vramplan.sources import resolve
+from vramplan.trace import step
+from vramplan.trace.repeat import same_events
+
+
+@pytest.fixture(autouse=True)
+def _short_runs_repeat_too(monkeypatch):
+    """The tiny models here have 6-10 blocks; repetition's threshold is a speed policy."""
+    monkeypatch.setattr("vramplan.trace.repeat.MIN_BLOCKS", 5)
+
+
+@pytest.fixture
+def llama(tmp_path):
+    def spec(layers: int) -> str:
+        path = tmp_path / f"llama{layers}.json"
+        config = {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLM"],
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": layers,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 128,
+        }
+        path.write_text(json.dumps(config))
+        return f"hf:{path}"
+
+    return spec
+
+
+def _bench(spec: str, repeat: bool) -> Workbench:
+    def build(name: str, recipe: Recipe):
+        built = resolve(name, recipe)
+        built.repeat_blocks = repeat
+        return built
+
+    bench = Workbench(spec, device_options(gpu="a100-80gb"), build=build)
+    bench.shares_short_traces = True  # as plan's bench does
+    return bench
+
+
+def test_checkpointed_counts_share_short_traces(llama, monkeypatch):
+    """Checkpointing 5 and then 6 of 11 blocks (both stretches long enough to repeat): the
+    second estimate runs no trace of its own, and equals the full trace."""
+    calls = []
+    real = step.trace_training
+
+    def counted(*args, **kwargs):
+        calls.append(args[1].checkpointing)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr("vramplan.pipeline.trace_training", counted)
+    spec = llama(11)
+    bench = _bench(spec, repeat=True)
+    bench.estimate(Recipe(batch_size=2, seq_len=32, checkpointing="5"))
+    first = len(calls)
+    recipe = Recipe(batch_size=2, seq_len=32, checkpointing="6")
+    shared, rebuilt = bench.run(recipe)
+    assert first > 0 and len(calls) == first
+    assert any(
+        n.startswith("repeated blocks: the 11 model.layers blocks are stretches of 6")
+        for n in shared.notes
+    )
+    full, traced = _bench(spec, repeat=False).run(recipe)
+    assert same_events(rebuilt, traced) and rebuilt.op_counts == traced.op_counts
+    assert shared.peak.allocated_bytes == full.peak.allocated_bytes
+    assert shared.components == full.components
+    assert shared.phase_peaks == full.phase_peaks
+    assert abs(shared.peak.reserved_bytes - full.peak.reserved_bytes) <= (
+        0.005 * full.peak.reserved_bytes
+    )
+
+
+def test_recompute_flops_are_the_whole_depths(llama):
+    """FlopCounterMode over a trace of every block is the ground truth (checkpointed: the
+    recomputed forward counted too)."""
+    spec = llama(6)
+    recipe = Recipe(batch_size=2, seq_len=32, checkpointing="full")
+    repeated = step_flops(_bench(spec, repeat=True), recipe)
+    assert repeated == step_flops(_bench(spec, repeat=False), recipe)

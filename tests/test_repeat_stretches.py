@@ -1,0 +1,67 @@
+"""Block repetition where the blocks are not all alike once the recipe is applied (some
+checkpointed, some not): the rebuilt trace equals the full trace, event for event."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vramplan.device.options import device_options
+from vramplan.pipeline import trace_and_estimate
+from vramplan.recipe import Recipe
+from vramplan.sources import resolve
+from vramplan.trace.repeat import same_events
+
+
+def _llama(layers: int) -> dict:
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+    }
+
+
+@pytest.fixture(autouse=True)
+def _short_runs_repeat_too(monkeypatch):
+    """The tiny model here has 10 blocks; repetition's thresholds are a speed policy."""
+    monkeypatch.setattr("vramplan.trace.repeat.MIN_BLOCKS", 5)
+    monkeypatch.setattr("vramplan.trace.repeat.SHORTER", 10.0)
+
+
+def _both(tmp_path, layers: int, **knobs):
+    path = tmp_path / "llama.json"
+    path.write_text(json.dumps(_llama(layers)))
+    recipe = Recipe(batch_size=2, seq_len=32, **knobs)
+    device = device_options(gpu="a100-80gb")
+    results = []
+    for repeat in (False, True):
+        built = resolve(f"hf:{path}", recipe)
+        built.repeat_blocks = repeat
+        results.append(trace_and_estimate(built, recipe, "cuda", device))
+    return results
+
+
+def _assert_equal(full, repeated, note: str) -> None:
+    (f, tf), (r, tr) = full, repeated
+    assert [n for n in r.notes if n.startswith(note)], r.notes
+    assert [n for n in r.notes if not n.startswith("repeated blocks")] == list(f.notes)
+    assert r.peak.allocated_bytes == f.peak.allocated_bytes
+    assert r.components == f.components
+    assert abs(r.peak.reserved_bytes - f.peak.reserved_bytes) <= 0.005 * f.peak.reserved_bytes
+    assert r.phase_peaks == f.phase_peaks
+    assert same_events(tr, tf)
+    assert tr.op_counts == tf.op_counts and tr.module_kinds == tf.module_kinds
+
+
+def test_every_second_block_checkpointed(tmp_path):
+    """One stretch whose unit is two blocks (a plain one, then a checkpointed one)."""
+    full, repeated = _both(tmp_path, 10, checkpointing="every:2", precision="amp-bf16")
+    note = "repeated blocks: the 10 model.layers blocks are stretches of 5 units of 2 blocks"
+    _assert_equal(full, repeated, note)
