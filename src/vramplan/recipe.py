@@ -123,6 +123,12 @@ class Recipe:
     fused_ce: bool = False
     packing: bool = False
     dora: bool = False
+    # How a framework stores and casts (trace/step.py, sources/loss.py): Hugging Face's
+    # torch_dtype under bf16=True autocast, fp32 islands (peft adapters, TRL's norms),
+    # transformers < 4.49's loss.
+    weights_dtype: str | None = None
+    keep_fp32: str | None = None
+    loss_shift_copy: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -161,6 +167,7 @@ class Recipe:
         _check_vision(self)
         _check_model_inputs(self)
         _check_tricks(self)
+        _check_storage(self)
 
     @property
     def checkpoint_blocks(self) -> int | None:
@@ -203,7 +210,10 @@ class Recipe:
 
     @property
     def param_dtype_name(self) -> str:
-        """The dtype parameters are stored in: fp32 unless pure fp16/bf16 training."""
+        """The dtype parameters are stored in: fp32 unless pure fp16/bf16 training or
+        ``weights_dtype`` (a model loaded in bf16 and trained under autocast)."""
+        if self.weights_dtype:
+            return STORAGE_DTYPES[self.weights_dtype]
         return {"fp16": "float16", "bf16": "bfloat16"}.get(self.precision, "float32")
 
     @property
@@ -232,6 +242,7 @@ class Recipe:
             **GENERATION_DEFAULTS,
             **VISION_DEFAULTS,
             **TRICK_DEFAULTS,
+            **STORAGE_DEFAULTS,
         }.items():  # absent unless asked for
             if data[name] == default:
                 data.pop(name)
@@ -467,4 +478,33 @@ def _check_tricks(recipe: Recipe) -> None:
         raise UserError(
             "--dora over --quantize is not modelled (peft dequantizes bitsandbytes' "
             "own layers, which vramplan models without bitsandbytes)"
+        )
+
+
+# -- storage habits of frameworks (weights_dtype, keep_fp32, loss_shift_copy) ---------------
+
+STORAGE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+STORAGE_DEFAULTS = {"weights_dtype": None, "keep_fp32": None, "loss_shift_copy": False}
+
+
+def _check_storage(recipe: Recipe) -> None:
+    """Validate the storage knobs: ``weights_dtype`` only under autocast (with pure
+    precision the weights already are in it), ``keep_fp32`` as name patterns."""
+    if recipe.weights_dtype is not None:
+        object.__setattr__(
+            recipe,
+            "weights_dtype",
+            _choice(recipe.weights_dtype, tuple(STORAGE_DTYPES), "weights dtype"),
+        )
+        if not recipe.uses_autocast:
+            raise UserError(
+                f"--weights-dtype {recipe.weights_dtype} stores weights in half precision "
+                "under autocast: it needs --precision amp-bf16 or amp-fp16"
+            )
+    keep = recipe.keep_fp32
+    if keep is not None and (not isinstance(keep, str) or not keep.strip(" ,")):
+        raise UserError(f"--keep-fp32 needs comma-separated parameter-name patterns, got {keep!r}")
+    if recipe.loss_shift_copy and (recipe.loss_chunks or recipe.fused_ce):
+        raise UserError(
+            "--loss-shift-copy is transformers' own loss; --loss-chunks and --fused-ce replace it"
         )

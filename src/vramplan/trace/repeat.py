@@ -37,6 +37,7 @@ from vramplan.sources.base import BuiltModel
 from vramplan.sources.blocks import block_containers
 from vramplan.trace.events import Allocation, PhaseMark, Trace
 from vramplan.trace.modules import ModuleStack
+from vramplan.trace.storage import cast_parameters
 
 MIN_BLOCKS = 16
 """Fewer repeated blocks than this are traced as they are: the 2-, 3- and 4-block traces
@@ -583,9 +584,7 @@ def repeat_built(
         return None, f"full trace: {label} do not repeat exactly ({exc})"
     except Exception as exc:  # a model that cannot be cut: trace it whole
         return None, f"full trace: {label} cannot be traced cut short ({type(exc).__name__})"
-    dtype = getattr(torch, recipe.param_dtype_name)
-    if dtype != torch.float32:
-        model.to(dtype)  # as the traced copies were
+    cast_parameters(model, recipe)  # as the traced copies were
     trace = replace(
         full,
         op_counts=scaled_counts(t2.op_counts, t3.op_counts, run.length),
