@@ -29,7 +29,6 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import torch
 from torch import nn
 
 from vramplan.recipe import Recipe
