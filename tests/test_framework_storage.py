@@ -126,3 +126,43 @@ def test_weights_dtype_needs_autocast_and_patterns_must_match(llama):
     recipe = Recipe(precision="bf16", keep_fp32="*nothing_like_this*")
     with pytest.raises(UserError, match="matches no parameter"):
         cast_parameters(resolve(llama, recipe).model, recipe)
+
+
+# -- repeated blocks of a LoRA model ---------------------------------------------------------
+
+
+def test_lora_blocks_repeat_exactly(tmp_path, monkeypatch):
+    """Only the blocks train, so the optimizer's per-block temporaries and zero_grad's
+    per-block gradients meet: the repeated trace still equals the full one event for event
+    (before, LoRA models were traced whole)."""
+    from vramplan.device.options import device_options
+    from vramplan.trace.repeat import same_events
+
+    pytest.importorskip("peft")
+    monkeypatch.setattr("vramplan.trace.repeat.MIN_BLOCKS", 5)  # a speed policy
+    path = tmp_path / "llama6.json"
+    path.write_text(json.dumps({**TINY_LLAMA, "num_hidden_layers": 6, "vocab_size": 256}))
+    recipe = Recipe(  # fms's QLoRA rows as TRL prepares them, transformers 4.48's loss
+        batch_size=BATCH,
+        seq_len=16,
+        precision="amp-bf16",
+        weights_dtype="bf16",
+        keep_fp32="*lora_*,*norm*",
+        checkpointing="full",
+        quantize="nf4",
+        double_quant=True,
+        lora_rank=4,
+        lora_targets="q_proj,v_proj",
+        lora_dropout=0.1,
+        loss_shift_copy=True,
+    )
+    results = []
+    for repeat in (False, True):
+        built = resolve(f"hf:{path}", recipe)
+        built.repeat_blocks = repeat
+        results.append(trace_and_estimate(built, recipe, "cuda", device_options(gpu="a100-80gb")))
+    (full, full_trace), (repeated, repeated_trace) = results
+    assert any(n.startswith("repeated blocks: traced 2 and 3") for n in repeated.notes)
+    assert repeated.peak.allocated_bytes == full.peak.allocated_bytes
+    assert repeated.phase_peaks == full.phase_peaks
+    assert same_events(repeated_trace, full_trace)

@@ -245,9 +245,12 @@ def _regions(tok2: list[tuple], tok3: list[tuple]) -> list[_Region]:
             raise NotRepeatable(f"the 3-block trace differs from the 2-block one at {j1}")
         kinds = [bool(t) and t[0] for t in tok3[j1:j2]]
         turn = kinds.index(False) if False in kinds else len(kinds)
+        split = _straddle(tok3, j1, j2)
         if 0 < turn < len(kinds) and not any(kinds[turn:]):
             # a list allocated then freed in reverse (foreach): two stretches, not one
             regions += [_Region(j1, turn), _Region(j1 + turn, j2 - j1 - turn)]
+        elif split is not None:
+            regions += [_Region(j1, split), _Region(j1 + split, j2 - j1 - split)]
         else:
             regions.append(_Region(j1, j2 - j1))
     for region in regions:
@@ -264,6 +267,30 @@ def _regions(tok2: list[tuple], tok3: list[tuple]) -> list[_Region]:
         region.q = (low + high) // 2
         region.start, region.end = _same_iteration(tok3, region)
     return regions
+
+
+def _straddle(tok3: list[tuple], j1: int, j2: int) -> int | None:
+    """Where an inserted run ``[j1, j2)`` that is no period of its own splits into the end
+    of one repeated stretch and the start of the next one, or None.
+
+    Two per-block lists that meet (the optimizer's temporaries of every block, then every
+    block's gradients in ``zero_grad``, when only blocks train: LoRA) let the diff insert
+    the last block's tail of the first list and the first block's head of the second as
+    one run. Its first ``k`` events repeat the ``k`` before it, its other ones the events
+    after it.
+
+    >>> t = list("aaaabbbb")  # a 2-block trace "aaabbb" with one more block: "a" and "b"
+    >>> _straddle(t, 3, 5)
+    1
+    """
+    d = j2 - j1
+    run = tok3[j1:j2]
+    if run == tok3[max(j1 - d, 0) : j1] or run == tok3[j2 : j2 + d]:
+        return None
+    for k in range(1, d):
+        if tok3[j1 : j1 + k] == tok3[j1 - k : j1] and tok3[j1 + k : j2] == tok3[j2 : j2 + d - k]:
+            return k
+    return None
 
 
 def _same_iteration(tok3: list[tuple], region: _Region) -> tuple[int, int]:
