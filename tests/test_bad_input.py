@@ -421,6 +421,24 @@ for name in ("in-backward-accum", "loss-chunks-and-fused"):
 case("estimate-loss-chunks-on-cnn", ["estimate", f"{M}:cnn", "--loss-chunks", "4"], "causal LM")
 case("estimate-fused-ce-on-cnn", ["estimate", f"{M}:cnn", "--fused-ce"], "causal LM")
 case("estimate-packing-on-cnn", ["estimate", f"{M}:cnn", "--packing"], "packs token sequences")
+# -- framework storage (trace/storage.py, sources/loss.py) --------------------------------------
+case("estimate-weights-dtype-pure", ["estimate", T, "--weights-dtype", "bf16"], "amp-bf16")
+case(
+    "estimate-weights-dtype-word",
+    ["estimate", T, "--precision", "amp-bf16", "--weights-dtype", "fp8"],
+    "unknown weights dtype",
+)
+case(
+    "estimate-keep-fp32-no-match",
+    ["estimate", T, "--precision", "bf16", "--keep-fp32", "*nothing_here*"],
+    "matches no parameter",
+)
+case("estimate-loss-shift-copy-on-cnn", ["estimate", f"{M}:cnn", "--loss-shift-copy"], "causal LM")
+case(
+    "estimate-loss-shift-copy-and-chunks",
+    ["estimate", T, "--loss-shift-copy", "--loss-chunks", "4"],
+    "--loss-shift-copy",
+)
 for command, extra in (("max-batch", CARD), ("plan", CARD), ("measure", ["--device", "cpu"])):
     for name, flags, expected in FLAGS:
         if name.startswith(("gpu", "headroom")) and command == "measure":

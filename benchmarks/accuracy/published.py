@@ -65,7 +65,14 @@ def knobs(text: str) -> dict:
     >>> knobs("lora_rank=8 lora_targets=q_proj;v_proj double_quant=1 lora_dropout=0.1")
     {'lora_rank': 8, 'lora_targets': 'q_proj,v_proj', 'double_quant': True, 'lora_dropout': 0.1}
     """
-    flags = ("double_quant", "packing", "optimizer_in_backward", "activation_offload", "fused_ce")
+    flags = (
+        "double_quant",
+        "packing",
+        "optimizer_in_backward",
+        "activation_offload",
+        "fused_ce",
+        "loss_shift_copy",
+    )
     found: dict = {}
     for pair in text.split():
         name, _, value = pair.partition("=")

@@ -137,6 +137,12 @@ class Recipe:
     # What zero_grad() does between steps (trace/loop.py): "auto" is the emulated PyTorch's
     # default (None from 2.0, zeros before: data/runtime.json zero_grad).
     zero_grad: str = "auto"
+    # How a framework stores and casts (trace/step.py, sources/loss.py): Hugging Face's
+    # torch_dtype under bf16=True autocast, fp32 islands (peft adapters, TRL's norms),
+    # transformers < 4.49's loss.
+    weights_dtype: str | None = None
+    keep_fp32: str | None = None
+    loss_shift_copy: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -177,6 +183,7 @@ class Recipe:
         _check_model_inputs(self)
         _check_tricks(self)
         object.__setattr__(self, "zero_grad", _choice(self.zero_grad, ZERO_GRAD, "zero_grad"))
+        _check_storage(self)
 
     @property
     def checkpoint_blocks(self) -> int | None:
@@ -219,7 +226,10 @@ class Recipe:
 
     @property
     def param_dtype_name(self) -> str:
-        """The dtype parameters are stored in: fp32 unless pure fp16/bf16 training."""
+        """The dtype parameters are stored in: fp32 unless pure fp16/bf16 training or
+        ``weights_dtype`` (a model loaded in bf16 and trained under autocast)."""
+        if self.weights_dtype:
+            return STORAGE_DTYPES[self.weights_dtype]
         return {"fp16": "float16", "bf16": "bfloat16"}.get(self.precision, "float32")
 
     @property
@@ -251,6 +261,7 @@ class Recipe:
             **INT4_DEFAULTS,
             **VISION_DEFAULTS,
             **TRICK_DEFAULTS,
+            **STORAGE_DEFAULTS,
         }.items():  # absent unless asked for
             if data[name] == default:
                 data.pop(name)
@@ -559,4 +570,33 @@ def _check_tricks(recipe: Recipe) -> None:
         raise UserError(
             "--dora over --quantize is not modelled (peft dequantizes bitsandbytes' "
             "own layers, which vramplan models without bitsandbytes)"
+        )
+
+
+# -- storage habits of frameworks (weights_dtype, keep_fp32, loss_shift_copy) ---------------
+
+STORAGE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
+STORAGE_DEFAULTS = {"weights_dtype": None, "keep_fp32": None, "loss_shift_copy": False}
+
+
+def _check_storage(recipe: Recipe) -> None:
+    """Validate the storage knobs: ``weights_dtype`` only under autocast (with pure
+    precision the weights already are in it), ``keep_fp32`` as name patterns."""
+    if recipe.weights_dtype is not None:
+        object.__setattr__(
+            recipe,
+            "weights_dtype",
+            _choice(recipe.weights_dtype, tuple(STORAGE_DTYPES), "weights dtype"),
+        )
+        if not recipe.uses_autocast:
+            raise UserError(
+                f"--weights-dtype {recipe.weights_dtype} stores weights in half precision "
+                "under autocast: it needs --precision amp-bf16 or amp-fp16"
+            )
+    keep = recipe.keep_fp32
+    if keep is not None and (not isinstance(keep, str) or not keep.strip(" ,")):
+        raise UserError(f"--keep-fp32 needs comma-separated parameter-name patterns, got {keep!r}")
+    if recipe.loss_shift_copy and (recipe.loss_chunks or recipe.fused_ce):
+        raise UserError(
+            "--loss-shift-copy is transformers' own loss; --loss-chunks and --fused-ce replace it"
         )

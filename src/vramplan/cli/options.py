@@ -385,7 +385,8 @@ FINETUNE_OPTIONS = (
 
 def finetune_from_options(options: dict) -> dict:
     """The fine-tuning knobs among a command's options (those it has), by Recipe name."""
-    knobs = {name: options[name] for name in FINETUNE_OPTIONS + TRICK_OPTIONS if name in options}
+    names = FINETUNE_OPTIONS + TRICK_OPTIONS + STORAGE_OPTIONS
+    knobs = {name: options[name] for name in names if name in options}
     if "lora" in knobs:
         knobs["lora_rank"] = knobs.pop("lora")
     return knobs
@@ -443,6 +444,33 @@ TRICK_OPTIONS = (
     "packing",
     "dora",
 )
+
+# -- how a framework stores the model (trace/storage.py, sources/loss.py) -------------------
+
+WeightsDtypeOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--weights-dtype",
+        help="With --precision amp-bf16/amp-fp16: weights stored in bf16 or fp16 "
+        "(a model loaded with torch_dtype=bfloat16, trained with bf16=True).",
+    ),
+]
+KeepFp32Opt = Annotated[
+    str | None,
+    typer.Option(
+        "--keep-fp32",
+        help="Parameter-name patterns kept in fp32 in a half-precision model "
+        "(peft's adapters: '*lora_*'; TRL's QLoRA norms: '*norm*').",
+    ),
+]
+LossShiftCopyOpt = Annotated[
+    bool,
+    typer.Option(
+        "--loss-shift-copy",
+        help="Causal LMs: transformers < 4.49's loss (an fp32 copy of the shifted logits).",
+    ),
+]
+STORAGE_OPTIONS = ("weights_dtype", "keep_fp32", "loss_shift_copy")
 
 
 TimeoutOpt = Annotated[

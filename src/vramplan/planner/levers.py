@@ -427,8 +427,7 @@ def _first_plan(
         names = [precision.name] if precision else []
         for lever in [None, *others]:
             if lever is not None:
-                changes = {**changes, **lever.changes}
-                names = [*names, lever.name]
+                changes, names = combined(changes, names, lever)
             if not changes:
                 continue
             trial = (
@@ -442,6 +441,24 @@ def _first_plan(
                 return _result(bench, recipe, " + ".join(label), trial, {}, baseline, base_flops)
     finetunes = [lever for lever in singles if lever.name in FINETUNE_LEVERS]
     return _finetune_plan(bench, recipe, finetunes, precisions, baseline, base_flops)
+
+
+def combined(changes: dict, names: list[str], lever: LeverResult) -> tuple[dict, list[str]]:
+    """``changes`` (named ``names``) with ``lever`` added. A lever that replaces the
+    optimizer with one outside torch.optim (8-bit Adam) drops a fused implementation
+    chosen for the old one, which the new optimizer does not have.
+
+    >>> fused = LeverResult("fused optimizer", {"optimizer_impl": "fused"}, None, 0, {})
+    >>> eight = LeverResult("8-bit Adam", {"optimizer": "adam8bit"}, None, 0, {})
+    >>> combined(*combined({}, [], fused), eight)
+    ({'optimizer': 'adam8bit'}, ['8-bit Adam'])
+    """
+    merged = {**changes, **lever.changes}
+    optimizer = lever.changes.get("optimizer")
+    unfusable = optimizer is not None and optimizer not in FUSED_OPTIMIZERS
+    if unfusable and merged.pop("optimizer_impl", None) is not None:
+        names = [name for name in names if name != "fused optimizer"]
+    return merged, [*names, lever.name]
 
 
 def _finetune_plan(

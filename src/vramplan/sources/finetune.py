@@ -242,6 +242,16 @@ def _target_names(model: nn.Module) -> str:
 def apply_loss_and_packing(built: BuiltModel, recipe: Recipe) -> None:
     """``--loss-chunks`` / ``--fused-ce`` replace a causal LM's loss (``sources/loss.py``);
     ``--packing`` is noted: the batch is already ``batch x seq-len`` real tokens."""
+    if recipe.loss_shift_copy and not (recipe.loss_chunks or recipe.fused_ce):
+        if built.kind != "causal-lm":
+            raise UserError(
+                f"--loss-shift-copy is a causal LM's loss; {built.name} is {built.kind}"
+            )
+        built.run = loss_run(recipe)
+        built.notes.append(
+            "loss: transformers < 4.49's ForCausalLMLoss (fp32 logits, then a contiguous "
+            "fp32 copy of the shifted logits)"
+        )
     if recipe.loss_chunks or recipe.fused_ce:
         flag = "--fused-ce" if recipe.fused_ce else f"--loss-chunks {recipe.loss_chunks}"
         if built.kind != "causal-lm":

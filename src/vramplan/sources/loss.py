@@ -16,7 +16,13 @@
   Backward only scales ``grad_input`` in place. The Triton kernel itself does not run on
   the CPU: its in-place writes are modelled, its register work allocates nothing.
 
-Both replace the model's own loss (the head and loss of ``XForCausalLM.forward``); labels
+- ``--loss-shift-copy``: transformers' own ``ForCausalLMLoss`` as it was before 4.49
+  (``loss/loss_utils.py``; huggingface/transformers PR #35646, January 2025, removed the
+  copy): the logits upcast to fp32, then ``logits[..., :-1, :].contiguous()``, a second
+  fp32 copy of them, alive with the first while ``cross_entropy`` runs. Later versions
+  pad the labels instead and keep no copy.
+
+All three replace the model's own loss (the head and loss of ``XForCausalLM.forward``); labels
 are shifted by one as transformers' ``ForCausalLMLoss`` shifts them::
 
     run = loss_run(Recipe(loss_chunks=8))
@@ -114,6 +120,19 @@ def fused_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return _FusedLinearCrossEntropy.apply(flat, head.weight, targets.reshape(-1))
 
 
+def shift_copy_loss(model: nn.Module, batch: dict) -> torch.Tensor:
+    """transformers < 4.49's ``ForCausalLMLoss``: fp32 logits, shifted with a copy."""
+    body, head = _parts(model)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    logits = head(body(**inputs).last_hidden_state)
+    upcast = logits.float()  # a local of ForCausalLMLoss: alive until it returns
+    shifted = upcast[..., :-1, :].contiguous()
+    labels = batch["labels"][..., 1:].contiguous()
+    return F.cross_entropy(
+        shifted.view(-1, shifted.size(-1)), labels.view(-1), ignore_index=IGNORE_INDEX
+    )
+
+
 def loss_run(recipe: Recipe) -> Callable[[nn.Module, dict, bool], Any]:
     """A ``BuiltModel.run`` for a causal LM computing its loss as the recipe says."""
 
@@ -122,6 +141,8 @@ def loss_run(recipe: Recipe) -> Callable[[nn.Module, dict, bool], Any]:
             return module(**{k: v for k, v in batch.items() if k != "labels"})
         if recipe.fused_ce:
             return fused_loss(module, batch)
+        if recipe.loss_shift_copy:
+            return shift_copy_loss(module, batch)
         return chunked_loss(module, batch, recipe.loss_chunks)
 
     return run

@@ -30,7 +30,6 @@ from collections import OrderedDict, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-import torch
 from torch import nn
 
 from vramplan.recipe import Recipe
@@ -39,6 +38,7 @@ from vramplan.sources.blocks import block_containers
 from vramplan.trace.events import Allocation, PhaseMark, Trace
 from vramplan.trace.modules import ModuleStack
 from vramplan.trace.repeat_plan import CHECK, Segment, recomputed, segments, short_recipe
+from vramplan.trace.storage import cast_parameters
 
 MIN_BLOCKS = 16
 """Fewer repeated blocks than this are traced as they are: the 2-, 3- and 4-block traces
@@ -260,9 +260,12 @@ def _regions(tok2: list[tuple], tok3: list[tuple], slots3, side: int = 0) -> lis
             raise NotRepeatable(f"the 3-block trace differs from the 2-block one at {j1}")
         kinds = [bool(t) and t[0] for t in tok3[j1:j2]]
         turn = kinds.index(False) if False in kinds else len(kinds)
+        split = _straddle(tok3, j1, j2)
         if 0 < turn < len(kinds) and not any(kinds[turn:]):
             # a list allocated then freed in reverse (foreach): two stretches, not one
             regions += [_Region(j1, turn), _Region(j1 + turn, j2 - j1 - turn)]
+        elif split is not None:
+            regions += [_Region(j1, split), _Region(j1 + split, j2 - j1 - split)]
         else:
             regions.append(_Region(j1, j2 - j1))
     for region in regions:
@@ -309,6 +312,30 @@ def _follow_births(spans, regions: list[_Region], tok3: list[tuple], slots3) -> 
         for q in range(lowest, highest + 1):
             if hit[q + d] - hit[q] > best:
                 region.q, best = q, hit[q + d] - hit[q]
+
+
+def _straddle(tok3: list[tuple], j1: int, j2: int) -> int | None:
+    """Where an inserted run ``[j1, j2)`` that is no period of its own splits into the end
+    of one repeated stretch and the start of the next one, or None.
+
+    Two per-block lists that meet (the optimizer's temporaries of every block, then every
+    block's gradients in ``zero_grad``, when only blocks train: LoRA) let the diff insert
+    the last block's tail of the first list and the first block's head of the second as
+    one run. Its first ``k`` events repeat the ``k`` before it, its other ones the events
+    after it.
+
+    >>> t = list("aaaabbbb")  # a 2-block trace "aaabbb" with one more block: "a" and "b"
+    >>> _straddle(t, 3, 5)
+    1
+    """
+    d = j2 - j1
+    run = tok3[j1:j2]
+    if run == tok3[max(j1 - d, 0) : j1] or run == tok3[j2 : j2 + d]:
+        return None
+    for k in range(1, d):
+        if tok3[j1 : j1 + k] == tok3[j1 - k : j1] and tok3[j1 + k : j2] == tok3[j2 : j2 + d - k]:
+            return k
+    return None
 
 
 def _same_iteration(tok3: list[tuple], region: _Region) -> tuple[int, int]:
@@ -741,9 +768,7 @@ def repeat_built(
         return None, f"full trace: {label} do not repeat exactly ({exc})"
     except Exception as exc:  # a model that cannot be cut: trace it whole
         return None, f"full trace: {label} cannot be traced cut short ({type(exc).__name__})"
-    dtype = getattr(torch, recipe.param_dtype_name)
-    if dtype != torch.float32:
-        model.to(dtype)  # as the traced copies were
+    cast_parameters(model, recipe)  # as the traced copies were
     trace = replace(trace, module_kinds=dict(stack.kinds))
     return trace, _note(label, parts, len(rebuilder.traces))
 

@@ -39,6 +39,7 @@ from vramplan.trace.modules import ModuleStack
 from vramplan.trace.offdevice import host_peaks, off_device
 from vramplan.trace.policy import DevicePolicy, entered
 from vramplan.trace.recorder import AllocationRecorder, storage_resizes
+from vramplan.trace.storage import cast_parameters
 from vramplan.trace.tricks import MIN_OFFLOAD_BYTES, Offloader, step_in_backward
 
 
@@ -214,9 +215,7 @@ def prepare_model_for(built: BuiltModel, recipe: Recipe) -> list[str]:
     """Apply the recipe to the meta model (dtype, checkpointing, train/eval); return notes."""
     notes = []
     model = built.model
-    param_dtype = getattr(torch, recipe.param_dtype_name)
-    if param_dtype != torch.float32:
-        model.to(param_dtype)
+    cast_parameters(model, recipe)
     if recipe.checkpointing != "none" and recipe.is_training:
         check_checkpointing(built, recipe)
         built.enable_checkpointing(

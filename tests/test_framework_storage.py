@@ -1,0 +1,168 @@
+"""How frameworks store and cast a fine-tuned model, traced. Ground truth: peft's own
+``get_peft_model`` on a real CPU model, a real CPU run of transformers 4.48's loss (its
+source, below) measured by PyTorch's profiler, and exact arithmetic."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch.nn import functional as F  # noqa: N812
+
+from vramplan import Recipe, UserError
+from vramplan.measurement.run import measure_built
+from vramplan.pipeline import trace_and_estimate
+from vramplan.result import Component
+from vramplan.sources import resolve
+from vramplan.trace.storage import cast_parameters
+
+TINY_LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 2048,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+BATCH, SEQ, VOCAB = 2, 64, TINY_LLAMA["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory) -> str:
+    pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("llama") / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    return f"hf:{path}"
+
+
+def loss_4_48(logits, labels, vocab_size):
+    """transformers 4.48.1 ``loss/loss_utils.py`` ``ForCausalLMLoss`` (mean reduction),
+    as released: the shifted logits copied with ``.contiguous()``."""
+    logits = logits.float()
+    shift_logits = logits[..., :-1, :].contiguous()
+    shift_labels = labels[..., 1:].contiguous()
+    shift_logits = shift_logits.view(-1, vocab_size)
+    shift_labels = shift_labels.view(-1)
+    return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
+
+
+def test_shift_copy_loss_matches_a_real_run_of_transformers_4_48_loss(llama):
+    """The traced peak with --loss-shift-copy equals a real CPU run of the whole model's
+    forward followed by 4.48's loss (PyTorch's profiler) within 1%."""
+    knobs = dict(batch_size=BATCH, seq_len=SEQ, optimizer="sgd", precision="bf16")
+    recipe = Recipe(loss_shift_copy=True, **knobs)
+    traced = trace_and_estimate(resolve(llama, recipe), recipe, "cpu")[0].peak.allocated_bytes
+    plain = Recipe(**knobs)
+    built = resolve(llama, plain, "cpu")
+
+    def run(module, batch, training):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = module(**inputs).logits
+        return loss_4_48(logits, batch["labels"], VOCAB) if training else logits
+
+    built.run = run
+    real = measure_built(built, plain, "cpu", steps=2).allocated_bytes
+    assert abs(traced - real) <= 0.01 * real, (traced, real)
+
+
+def test_shift_copy_costs_one_fp32_copy_of_the_shifted_logits(llama):
+    """In forward, at the loss of a bf16 model, the old loss holds the bf16 logits, their
+    fp32 upcast, its shifted copy and the copy's log-softmax; today's the logits, the
+    upcast and its log-softmax: one ``[batch, seq - 1, vocab]`` fp32 tensor more, one
+    token's row less (labels aside)."""
+
+    def forward_peak(**knobs) -> int:
+        recipe = Recipe(batch_size=BATCH, seq_len=SEQ, optimizer="sgd", precision="bf16", **knobs)
+        estimate = trace_and_estimate(resolve(llama, recipe), recipe, "cpu")[0]
+        return estimate.phase_peaks["forward"]
+
+    expected = BATCH * (SEQ - 1) * VOCAB * 4 - BATCH * VOCAB * 4
+    labels = 2 * BATCH * SEQ * 8  # the int64 shifted labels each path makes
+    assert abs(forward_peak(loss_shift_copy=True) - forward_peak() - expected) <= labels
+
+
+def test_shift_copy_conflicts_with_replaced_losses():
+    with pytest.raises(UserError, match="--loss-shift-copy"):
+        Recipe(loss_shift_copy=True, loss_chunks=4)
+
+
+def test_peft_adapters_in_a_bf16_model_are_fp32_as_peft_makes_them(llama):
+    """``--precision amp-bf16 --weights-dtype bf16 --keep-fp32 '*lora_*'`` stores what
+    peft's ``get_peft_model`` leaves on a real bf16 model: base weights bf16, adapters fp32
+    (``autocast_adapter_dtype=True``); the optimizer state follows the fp32 adapters."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"})
+    real = peft.get_peft_model(
+        transformers.LlamaForCausalLM(config).to(torch.bfloat16),
+        peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]),
+    )
+    real_dtypes = {n: p.dtype for n, p in real.named_parameters()}
+    recipe = Recipe(
+        batch_size=BATCH,
+        seq_len=SEQ,
+        precision="amp-bf16",
+        weights_dtype="bf16",
+        keep_fp32="*lora_*",
+        lora_rank=4,
+        lora_targets="q_proj,v_proj",
+    )
+    built = resolve(llama, recipe)
+    cast_parameters(built.model, recipe)
+    assert {n: p.dtype for n, p in built.model.named_parameters()} == real_dtypes
+    estimate = trace_and_estimate(resolve(llama, recipe), recipe, "cpu")[0]
+    adapters = sum(p.numel() * 4 for n, p in real.named_parameters() if p.requires_grad)
+    assert estimate.components[Component.OPTIMIZER_STATE] == 2 * adapters  # AdamW: 2 fp32
+
+
+def test_weights_dtype_needs_autocast_and_patterns_must_match(llama):
+    with pytest.raises(UserError, match="amp-bf16"):
+        Recipe(precision="bf16", weights_dtype="bf16")
+    recipe = Recipe(precision="bf16", keep_fp32="*nothing_like_this*")
+    with pytest.raises(UserError, match="matches no parameter"):
+        cast_parameters(resolve(llama, recipe).model, recipe)
+
+
+# -- repeated blocks of a LoRA model ---------------------------------------------------------
+
+
+def test_lora_blocks_repeat_exactly(tmp_path, monkeypatch):
+    """Only the blocks train, so the optimizer's per-block temporaries and zero_grad's
+    per-block gradients meet: the repeated trace still equals the full one event for event
+    (before, LoRA models were traced whole)."""
+    from vramplan.device.options import device_options
+    from vramplan.trace.repeat import same_events
+
+    pytest.importorskip("peft")
+    monkeypatch.setattr("vramplan.trace.repeat.MIN_BLOCKS", 5)  # a speed policy
+    path = tmp_path / "llama6.json"
+    path.write_text(json.dumps({**TINY_LLAMA, "num_hidden_layers": 6, "vocab_size": 256}))
+    recipe = Recipe(  # fms's QLoRA rows as TRL prepares them, transformers 4.48's loss
+        batch_size=BATCH,
+        seq_len=16,
+        precision="amp-bf16",
+        weights_dtype="bf16",
+        keep_fp32="*lora_*,*norm*",
+        checkpointing="full",
+        quantize="nf4",
+        double_quant=True,
+        lora_rank=4,
+        lora_targets="q_proj,v_proj",
+        lora_dropout=0.1,
+        loss_shift_copy=True,
+    )
+    results = []
+    for repeat in (False, True):
+        built = resolve(f"hf:{path}", recipe)
+        built.repeat_blocks = repeat
+        results.append(trace_and_estimate(built, recipe, "cuda", device_options(gpu="a100-80gb")))
+    (full, full_trace), (repeated, repeated_trace) = results
+    assert any(n.startswith("repeated blocks: traced 2 and 3") for n in repeated.notes)
+    assert repeated.peak.allocated_bytes == full.peak.allocated_bytes
+    assert repeated.phase_peaks == full.phase_peaks
+    assert same_events(repeated_trace, full_trace)
