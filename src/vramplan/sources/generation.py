@@ -37,6 +37,13 @@ class Generator:
     """Whether ``forward`` takes ``logits_to_keep`` (so generate keeps one position)."""
     max_positions: int | None = None
     """Learned positions: prompt plus new tokens must fit them (None: no such limit)."""
+    decoder_start: int | None = None
+    """An encoder-decoder model's ``decoder_start_token_id`` (None: a causal LM)."""
+
+    @property
+    def encoder_decoder(self) -> bool:
+        """Whether generate runs an encoder once, then the decoder token by token."""
+        return self.decoder_start is not None
 
     def check_length(self, name: str, total: int) -> None:
         """Refuse a generation longer than the model's learned position table."""
@@ -68,6 +75,39 @@ class Generator:
         )
 
 
+    def encode(self, model: nn.Module, inputs: torch.Tensor) -> Any:
+        """The encoder run once over ``inputs`` (token ids, or Whisper's mel features), as
+        ``_prepare_encoder_decoder_kwargs_for_generation`` runs it."""
+        name = model.main_input_name
+        mask = {} if name == "input_features" else {"attention_mask": torch.ones_like(inputs)}
+        return model.get_encoder()(**{name: inputs}, **mask, return_dict=True)
+
+    def new_encoder_decoder_cache(self) -> Any:
+        """generate's default cache of an encoder-decoder model: an ``EncoderDecoderCache``
+        of two ``DynamicCache``s (the decoder's self-attention, grown a token a step; the
+        cross-attention, filled once from the encoder output)."""
+        import transformers
+
+        decoder = self.config.get_text_config(decoder=True)
+        return transformers.EncoderDecoderCache(
+            transformers.DynamicCache(config=decoder), transformers.DynamicCache(config=decoder)
+        )
+
+    def decode(
+        self, model: nn.Module, encoded: Any, mask: torch.Tensor | None, ids: Any, cache: Any
+    ) -> Any:
+        """One decoder step as generate runs it: the encoder output, its mask, the new
+        decoder tokens ``ids`` and the cache."""
+        extra = {} if mask is None else {"attention_mask": mask}
+        return model(
+            encoder_outputs=encoded,
+            decoder_input_ids=ids,
+            past_key_values=cache,
+            use_cache=True,
+            **extra,
+        )
+
+
 def cache_layers(cache: Any) -> list[Any]:
     """The per-layer objects of a transformers cache (each holds ``keys`` and ``values``)."""
     return list(getattr(cache, "layers", []))
@@ -76,4 +116,8 @@ def cache_layers(cache: Any) -> list[Any]:
 def generator_for(model: nn.Module, config: Any, max_positions: int | None) -> Generator:
     """The ``Generator`` of a transformers causal LM."""
     keeps = "logits_to_keep" in inspect.signature(model.forward).parameters
-    return Generator(config, int(config.vocab_size), keeps, max_positions)
+    start = getattr(config, "decoder_start_token_id", None)
+    if getattr(config, "is_encoder_decoder", False) and start is None:
+        start = config.pad_token_id  # T5 starts its decoder from the pad token
+    decoder = start if getattr(config, "is_encoder_decoder", False) else None
+    return Generator(config, int(config.vocab_size), keeps, max_positions, decoder)

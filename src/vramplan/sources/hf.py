@@ -251,7 +251,7 @@ def wrap_hf_model(model: nn.Module, recipe: Recipe, built_name: str) -> BuiltMod
         sequence=inputs.sequence,
         notes=inputs.notes + _notes(config, recipe, inputs.shape),
         generator=generator_for(model, config, learned_positions(config))
-        if kind == "causal-lm"
+        if kind in ("causal-lm", *ENCODER_DECODER)
         else None,
     )
 
