@@ -85,9 +85,10 @@ def trace_and_estimate(
     info = model_info(built.model, built.name, built.architecture, built.kind)
     result = estimate_from_trace(trace, info, recipe, policy.name, notes)
     if recipe.mode == "generate":
-        details = {**result.details, "generation": generation_details(
-            trace, recipe, built.generator.encoder_decoder
-        )}
+        details = {
+            **result.details,
+            "generation": generation_details(trace, recipe, built.generator.encoder_decoder),
+        }
         result = replace(result, details=details)
     if policy.name == "cuda":
         result = apply_device(result, trace, device)

@@ -74,7 +74,6 @@ class Generator:
             input_ids=ids, position_ids=positions, past_key_values=cache, use_cache=True, **kwargs
         )
 
-
     def encode(self, model: nn.Module, inputs: torch.Tensor) -> Any:
         """The encoder run once over ``inputs`` (token ids, or Whisper's mel features), as
         ``_prepare_encoder_decoder_kwargs_for_generation`` runs it."""

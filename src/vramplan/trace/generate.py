@@ -416,6 +416,7 @@ def trace_encoder_decoder(built: BuiltModel, recipe: Recipe, policy: DevicePolic
             logits = _next_token(output)
             del output
         _tag_cache(recorder, cache.self_attention_cache)
+        del logits, encoded  # generate's next-token logits and encoder output, held to here
         session.notes.append(
             f"generate (encoder-decoder): the encoder once over {inputs.shape[-1]} "
             f"{'mel frames' if mask is None else 'prompt tokens'} (its output kept), then "
