@@ -295,7 +295,8 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
     if generator is None:
         raise UserError(
             f"--mode generate: {built.name} is not a causal language model that "
-            "transformers' generate runs (hf: ...ForCausalLM configs are)"
+            "transformers' generate runs (hf: ...ForCausalLM configs are, and the "
+            "encoder-decoder T5 and Whisper)"
         )
     if generator.encoder_decoder:
         return trace_encoder_decoder(built, recipe, policy)
