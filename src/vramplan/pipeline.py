@@ -87,7 +87,12 @@ def trace_and_estimate(
     if recipe.mode == "generate":
         details = {
             **result.details,
-            "generation": generation_details(trace, recipe, built.generator.encoder_decoder),
+            "generation": generation_details(
+                trace,
+                recipe,
+                built.generator.encoder_decoder,
+                built.generator.image.tokens if built.generator.image else 0,
+            ),
         }
         result = replace(result, details=details)
     if policy.name == "cuda":

@@ -80,9 +80,10 @@ class GenerationShape:
         return self.new_tokens - 1
 
 
-def generation_shape(recipe: Recipe) -> GenerationShape:
-    """The shape of the generate call a ``--mode generate`` recipe describes."""
-    prompt = recipe.prompt_len or recipe.seq_len or DEFAULT_PROMPT
+def generation_shape(recipe: Recipe, image_tokens: int = 0) -> GenerationShape:
+    """The shape of the generate call a ``--mode generate`` recipe describes (a prompt of
+    ``image_tokens`` before its text tokens)."""
+    prompt = (recipe.prompt_len or recipe.seq_len or DEFAULT_PROMPT) + image_tokens
     kv = None
     if recipe.cache not in ("dynamic", "static"):
         kv = KvQuantization(
@@ -283,6 +284,11 @@ def set_quantized_cache(cache: Any, kv: KvQuantization, prompt: int, seen: int) 
     ]
 
 
+def _dtype(model: Any) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (fp32 if none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def _next_token(output: Any) -> torch.Tensor:
     """What generate keeps of an output: the last position's logits copied to fp32."""
     logits = output.logits if hasattr(output, "logits") else output[0]
@@ -300,7 +306,8 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
         )
     if generator.encoder_decoder:
         return trace_encoder_decoder(built, recipe, policy)
-    shape = generation_shape(recipe)
+    images = generator.image.tokens if generator.image else 0
+    shape = generation_shape(recipe, images)
     generator.check_length(built.name, shape.final_cache_len + 1)
     notes = prepare_model_for(built, recipe)
     model = built.model
@@ -318,11 +325,13 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
             session.modules.reset()
 
         phase(PREFILL)
-        ids = torch.randint(0, generator.vocab_size, (shape.sequences, shape.prompt))
-        session.tag_inputs(ids)
+        ids = generator.prompt_ids(shape.sequences, shape.prompt - images)
+        extras = generator.prefill_extras(shape.sequences, _dtype(model))
+        session.tag_inputs((ids, *extras.values()))
         cache = generator.new_cache(shape.cache, shape.final_cache_len, shape.kv)
         with torch.no_grad(), policy.autocast(recipe):
-            output = generator.forward(model, ids, cache, 0)
+            output = generator.forward(model, ids, cache, 0, **extras)  # extras kept, as
+            # generate keeps pixel_values in its model_kwargs to the end
             logits = _next_token(output)
             del output
         _tag_cache(recorder, cache)
@@ -343,6 +352,11 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
                 del output
             _tag_cache(recorder, cache)
         session.notes.extend(generation_notes(recipe, shape, generator.keeps_last_logits))
+        if images:
+            session.notes.append(
+                f"one image per prompt: {images} image tokens before the "
+                f"{shape.prompt - images} text tokens, the vision tower run in the prefill"
+            )
     return session.finish()
 
 
@@ -469,14 +483,14 @@ def generation_notes(recipe: Recipe, shape: GenerationShape, keeps_last: bool) -
 
 
 def generation_details(
-    trace: Trace, recipe: Recipe, encoder_decoder: bool = False
+    trace: Trace, recipe: Recipe, encoder_decoder: bool = False, image_tokens: int = 0
 ) -> dict[str, int]:
     """The figures of a traced generation (tensor bytes, before the allocator's rounding):
     the peaks of the prefill and of the last decode step, the cache at the end, and the
     cache per token of one sequence (read from the cache the prefill wrote, whose every
     layer holds each prompt token — a static cache each of its positions — before any
     sliding window drops one)."""
-    shape = generation_shape(recipe)
+    shape = generation_shape(recipe, image_tokens)
     peaks = {PREFILL: 0, DECODE: 0}
     live = 0
     for event in trace.events():
