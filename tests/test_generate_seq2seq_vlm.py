@@ -1,7 +1,8 @@
 """``--mode generate`` of encoder-decoder models: the cross-attention cache holds
 2 × decoder layers × heads × head dim × encoder length × dtype bytes, the self-attention
 cache grows by 2 × decoder layers × heads × head dim × dtype bytes a new token, and a real
-``generate`` of a tiny T5 on the CPU leaves the same cache bytes behind."""
+``generate`` of a tiny T5 on the CPU leaves the same cache bytes behind; a LLaVA prompt
+counts its image tokens, as a real ``generate`` of a tiny LLaVA does."""
 
 from __future__ import annotations
 
@@ -136,3 +137,65 @@ def test_what_the_encoder_decoder_trace_does_not_model_is_refused(model_path):
         _generation(t5, new_tokens=1)
     with pytest.raises(UserError, match="leave out --prompt-len"):
         _generation(whisper, prompt_len=100, new_tokens=4)
+
+
+LLAVA = {
+    "model_type": "llava",
+    "architectures": ["LlavaForConditionalGeneration"],
+    "image_token_id": 95,
+    "vision_feature_layer": -1,
+    "vision_feature_select_strategy": "default",
+    "vision_config": {
+        "model_type": "clip_vision_model",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        "image_size": 56,
+        "patch_size": 14,
+    },
+    "text_config": {
+        "model_type": "llama",
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    },
+}
+
+
+def test_a_llava_prompt_counts_its_image_tokens_as_a_real_generate_does(model_path):
+    """One 56 × 56 image is (56 / 14)^2 = 16 image tokens before the text: transformers'
+    own generate on the CPU (random weights) leaves a cache of 16 + text + new - 1 tokens,
+    2 layers × 2 KV heads × head dim 8 × fp32 each."""
+    import transformers
+
+    batch, text, new, images = 2, 8, 5, 16
+    config = transformers.LlavaConfig(**{k: v for k, v in LLAVA.items() if k != "model_type"})
+    model = transformers.LlavaForConditionalGeneration(config).eval()
+    ids = torch.cat(
+        [torch.full((batch, images), LLAVA["image_token_id"]), torch.randint(0, 95, (batch, text))],
+        dim=1,
+    )
+    with torch.no_grad():
+        out = model.generate(
+            input_ids=ids,
+            pixel_values=torch.randn(batch, 3, 56, 56),
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            return_dict_in_generate=True,
+            pad_token_id=0,
+        )
+    real = sum(
+        t.untyped_storage().nbytes()
+        for layer in out.past_key_values.layers
+        for t in (layer.keys, layer.values)
+    )
+    g = _generation(model_path(LLAVA), batch_size=batch, prompt_len=text, new_tokens=new)
+    assert g["prompt_tokens"] == images + text
+    assert g["kv_cache_tokens"] == images + text + new - 1
+    assert g["kv_cache_bytes"] == real == batch * (images + text + new - 1) * 2 * 2 * 2 * 8 * 4
