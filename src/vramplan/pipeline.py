@@ -85,7 +85,15 @@ def trace_and_estimate(
     info = model_info(built.model, built.name, built.architecture, built.kind)
     result = estimate_from_trace(trace, info, recipe, policy.name, notes)
     if recipe.mode == "generate":
-        details = {**result.details, "generation": generation_details(trace, recipe)}
+        details = {
+            **result.details,
+            "generation": generation_details(
+                trace,
+                recipe,
+                built.generator.encoder_decoder,
+                built.generator.image.tokens if built.generator.image else 0,
+            ),
+        }
         result = replace(result, details=details)
     if policy.name == "cuda":
         result = apply_device(result, trace, device)

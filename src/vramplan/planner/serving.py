@@ -257,7 +257,7 @@ def profile_run_peak(built: BuiltModel, options: ServeOptions, device: DeviceOpt
 
 def plan_serving(built: BuiltModel, options: ServeOptions, device: DeviceOptions) -> ServingPlan:
     """vLLM's start-up accounting for ``built`` on ``device``'s card."""
-    if built.generator is None:
+    if built.generator is None or built.generator.encoder_decoder:
         raise UserError(f"serve: {built.name} is not a causal language model vLLM would serve")
     gpu = device.card
     table = serving_table()[options.engine]

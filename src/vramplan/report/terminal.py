@@ -82,6 +82,8 @@ def _recipe_line(est: Estimate) -> str:
 def _generation_line(est: Estimate) -> str:
     g = est.details.get("generation", {})
     beams = f" × {est.recipe.num_beams} beams" if est.recipe.num_beams > 1 else ""
+    if "cross_cache_bytes" in g:
+        return f"generate (encoder-decoder) {g.get('new_tokens')} new tokens, dynamic cache"
     return (
         f"generate {g.get('prompt_tokens')} + {g.get('new_tokens')} new tokens{beams}, "
         f"{g.get('cache')} cache"
@@ -93,9 +95,19 @@ def generation_lines(est: Estimate, fmt) -> list[str]:
     g = est.details.get("generation")
     if not g:
         return []
-    return [
+    peaks = (
         f"Prefill peak {fmt(g['prefill_peak_bytes'])}, last decode step peak "
-        f"{fmt(g['decode_peak_bytes'])} (tensor bytes)",
+        f"{fmt(g['decode_peak_bytes'])} (tensor bytes)"
+    )
+    if "cross_cache_bytes" in g:
+        return [
+            peaks,
+            f"KV cache: {fmt(g['kv_cache_bytes'])} for {g['sequences']} sequences: "
+            f"cross-attention {fmt(g['cross_cache_bytes'])} (encoder length), "
+            f"self-attention {fmt(g['self_cache_bytes'])} ({g['self_cache_tokens']} tokens)",
+        ]
+    return [
+        peaks,
         f"KV cache: {fmt(g['kv_cache_bytes'])} for {g['sequences']} × {g['kv_cache_tokens']} "
         f"tokens ({g['kv_bytes_per_token']:,} bytes per token per sequence)",
     ]

@@ -22,12 +22,14 @@ from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel
 from vramplan.sources.blocks import checkpoint_options, chosen_blocks
 from vramplan.sources.configs import WIDTH_KEYS, load_config_dict, validate_config
-from vramplan.sources.generation import generator_for
+from vramplan.sources.generation import Generator, ImagePrompt, generator_for
 from vramplan.sources.hf_attention import NOTES, REGISTERED, attention_name, check_attention
 from vramplan.sources.hf_attention import register as register_attention
 from vramplan.sources.hf_inputs import (
     ENCODER_DECODER,
     example_inputs,
+    image_shape,
+    image_tokens,
     learned_positions,
     model_kind,
     value_checks_off,
@@ -250,10 +252,21 @@ def wrap_hf_model(model: nn.Module, recipe: Recipe, built_name: str) -> BuiltMod
         blocks=len(checkpoint_layers(model)) if model.supports_gradient_checkpointing else 0,
         sequence=inputs.sequence,
         notes=inputs.notes + _notes(config, recipe, inputs.shape),
-        generator=generator_for(model, config, learned_positions(config))
-        if kind == "causal-lm"
-        else None,
+        generator=_generator(model, kind, recipe),
     )
+
+
+def _generator(model: nn.Module, kind: str, recipe: Recipe) -> Generator | None:
+    """How generate runs ``model``: a causal LM, an encoder-decoder one, or a LLaVA-style
+    one with one image's tokens in each prompt (None: not a model generate runs)."""
+    config = model.config
+    if kind in ("causal-lm", *ENCODER_DECODER):
+        return generator_for(model, config, learned_positions(config))
+    if kind == "vision-language":
+        pixels = image_shape(config.vision_config, recipe)
+        image = ImagePrompt(image_tokens(config), int(config.image_token_id), pixels)
+        return generator_for(model, config, None, image)
+    return None
 
 
 def _notes(config, recipe: Recipe, shape: tuple[int, ...]) -> list[str]:

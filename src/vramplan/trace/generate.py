@@ -31,6 +31,7 @@ from vramplan.recipe import DEFAULT_NEW_TOKENS, Recipe
 from vramplan.result import Component, Phase
 from vramplan.sources.base import BuiltModel
 from vramplan.sources.generation import cache_layers
+from vramplan.sources.hf_inputs import speech_features
 from vramplan.sources.kv_quant import (
     DEFAULTS as KV_DEFAULTS,
 )
@@ -79,9 +80,10 @@ class GenerationShape:
         return self.new_tokens - 1
 
 
-def generation_shape(recipe: Recipe) -> GenerationShape:
-    """The shape of the generate call a ``--mode generate`` recipe describes."""
-    prompt = recipe.prompt_len or recipe.seq_len or DEFAULT_PROMPT
+def generation_shape(recipe: Recipe, image_tokens: int = 0) -> GenerationShape:
+    """The shape of the generate call a ``--mode generate`` recipe describes (a prompt of
+    ``image_tokens`` before its text tokens)."""
+    prompt = (recipe.prompt_len or recipe.seq_len or DEFAULT_PROMPT) + image_tokens
     kv = None
     if recipe.cache not in ("dynamic", "static"):
         kv = KvQuantization(
@@ -282,6 +284,11 @@ def set_quantized_cache(cache: Any, kv: KvQuantization, prompt: int, seen: int) 
     ]
 
 
+def _dtype(model: Any) -> torch.dtype:
+    """The dtype of the model's first floating-point parameter (fp32 if none)."""
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), torch.float32)
+
+
 def _next_token(output: Any) -> torch.Tensor:
     """What generate keeps of an output: the last position's logits copied to fp32."""
     logits = output.logits if hasattr(output, "logits") else output[0]
@@ -294,9 +301,13 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
     if generator is None:
         raise UserError(
             f"--mode generate: {built.name} is not a causal language model that "
-            "transformers' generate runs (hf: ...ForCausalLM configs are)"
+            "transformers' generate runs (hf: ...ForCausalLM configs are, and the "
+            "encoder-decoder T5 and Whisper)"
         )
-    shape = generation_shape(recipe)
+    if generator.encoder_decoder:
+        return trace_encoder_decoder(built, recipe, policy)
+    images = generator.image.tokens if generator.image else 0
+    shape = generation_shape(recipe, images)
     generator.check_length(built.name, shape.final_cache_len + 1)
     notes = prepare_model_for(built, recipe)
     model = built.model
@@ -314,11 +325,13 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
             session.modules.reset()
 
         phase(PREFILL)
-        ids = torch.randint(0, generator.vocab_size, (shape.sequences, shape.prompt))
-        session.tag_inputs(ids)
+        ids = generator.prompt_ids(shape.sequences, shape.prompt - images)
+        extras = generator.prefill_extras(shape.sequences, _dtype(model))
+        session.tag_inputs((ids, *extras.values()))
         cache = generator.new_cache(shape.cache, shape.final_cache_len, shape.kv)
         with torch.no_grad(), policy.autocast(recipe):
-            output = generator.forward(model, ids, cache, 0)
+            output = generator.forward(model, ids, cache, 0, **extras)  # extras kept, as
+            # generate keeps pixel_values in its model_kwargs to the end
             logits = _next_token(output)
             del output
         _tag_cache(recorder, cache)
@@ -339,7 +352,111 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
                 del output
             _tag_cache(recorder, cache)
         session.notes.extend(generation_notes(recipe, shape, generator.keeps_last_logits))
+        if images:
+            session.notes.append(
+                f"one image per prompt: {images} image tokens before the "
+                f"{shape.prompt - images} text tokens, the vision tower run in the prefill"
+            )
     return session.finish()
+
+
+def _check_encoder_decoder(built: BuiltModel, recipe: Recipe) -> None:
+    """Refuse what the encoder-decoder trace does not model."""
+    what = f"--mode generate of the encoder-decoder {built.name}"
+    if recipe.cache != "dynamic" or recipe.num_beams > 1:
+        raise UserError(f"{what} models greedy decoding with the dynamic cache only")
+    if (recipe.new_tokens or DEFAULT_NEW_TOKENS) < 2:
+        raise UserError(f"{what} needs --new-tokens 2 or more")
+    if built.kind == "speech-seq2seq" and (recipe.prompt_len or recipe.seq_len):
+        raise UserError(
+            f"{built.name}'s encoder reads 30 s of mel features whatever the audio; "
+            "leave out --prompt-len"
+        )
+
+
+def _encoder_inputs(built: BuiltModel, recipe: Recipe, sequences: int) -> torch.Tensor:
+    """What generate hands the encoder: token ids, or Whisper's 30 s of mel features."""
+    config = built.generator.config
+    if built.kind == "speech-seq2seq":
+        bins, frames = speech_features(config)
+        return torch.randn(sequences, bins, frames, dtype=built.model.dtype)
+    prompt = recipe.prompt_len or recipe.seq_len or DEFAULT_PROMPT
+    return torch.randint(0, built.generator.vocab_size, (sequences, prompt))
+
+
+def trace_encoder_decoder(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) -> Trace:
+    """``generate`` of an encoder-decoder model (T5, Whisper) as transformers runs it: the
+    encoder once over the prompt (kept to the end), then the decoder from
+    ``decoder_start_token_id`` one token a step against an ``EncoderDecoderCache`` whose
+    cross-attention half is filled at the first step (encoder length) and whose
+    self-attention half grows a token a step. Iteration 1 is the encoder and the first
+    decoder step, iteration 2 the last decode step."""
+    _check_encoder_decoder(built, recipe)
+    generator = built.generator
+    new_tokens = recipe.new_tokens or DEFAULT_NEW_TOKENS
+    generator.check_length(built.name, new_tokens + 1)
+    sequences = recipe.batch_size
+    notes = prepare_model_for(built, recipe)
+    model = built.model
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(time_limit(f"the traced generation of {built.name}"))
+        session = stack.enter_context(
+            tracing(model, policy, recipe, built.name, "check --prompt-len / --new-tokens")
+        )
+        session.notes.extend(notes + built.notes)
+        session.prepare_model(model)
+        recorder = session.recorder
+        recorder.set_phase(Phase.FORWARD, PREFILL)
+        session.modules.reset()
+        inputs = _encoder_inputs(built, recipe, sequences)
+        session.tag_inputs(inputs)
+        mask = None if inputs.is_floating_point() else torch.ones_like(inputs)
+        cache = generator.new_encoder_decoder_cache()
+        start = torch.full((sequences, 1), generator.decoder_start)
+        with torch.no_grad(), policy.autocast(recipe):
+            encoded = generator.encode(model, inputs)
+            output = generator.decode(model, encoded, mask, start, cache)
+            logits = _next_token(output)
+            del output
+        _tag_cache(recorder, cache.self_attention_cache)
+        _tag_cache(recorder, cache.cross_attention_cache)
+        recorder.set_phase(Phase.FORWARD, DECODE)
+        session.modules.reset()
+        lengths = growth_lengths(1, new_tokens - 1)
+        session.notes.extend(grow_cache(recorder, cache.self_attention_cache, lengths))
+        token = torch.randint(0, generator.vocab_size, (sequences, 1))
+        with torch.no_grad(), policy.autocast(recipe):
+            output = generator.decode(model, encoded, mask, token, cache)
+            del logits
+            logits = _next_token(output)
+            del output
+        _tag_cache(recorder, cache.self_attention_cache)
+        del logits, encoded  # generate's next-token logits and encoder output, held to here
+        session.notes.append(
+            f"generate (encoder-decoder): the encoder once over {inputs.shape[-1]} "
+            f"{'mel frames' if mask is None else 'prompt tokens'} (its output kept), then "
+            f"{new_tokens} decoder steps from decoder_start_token_id {generator.decoder_start}"
+            f"; the cross-attention cache is filled at the first, the self-attention cache "
+            f"reaches {new_tokens} tokens; the last step is traced"
+            + ("; Whisper's forced language/task tokens are not modelled" if mask is None else "")
+        )
+    return session.finish()
+
+
+def encoder_decoder_details(trace: Trace, recipe: Recipe) -> dict[str, int]:
+    """The figures of a traced encoder-decoder generation: the cross-attention cache (the
+    cache tensors the first step wrote that are still held: the self-attention ones it
+    wrote were replaced as the cache grew) and the self-attention cache at the end."""
+    live = [
+        a for a in trace.allocations if a.category == Component.KV_CACHE and a.free_index is None
+    ]
+    cross = sum(a.nbytes for a in live if a.iteration == PREFILL)
+    total = sum(a.nbytes for a in live)
+    return {
+        "cross_cache_bytes": cross,
+        "self_cache_bytes": total - cross,
+        "self_cache_tokens": recipe.new_tokens or DEFAULT_NEW_TOKENS,
+    }
 
 
 def generation_notes(recipe: Recipe, shape: GenerationShape, keeps_last: bool) -> list[str]:
@@ -365,13 +482,15 @@ def generation_notes(recipe: Recipe, shape: GenerationShape, keeps_last: bool) -
     return notes
 
 
-def generation_details(trace: Trace, recipe: Recipe) -> dict[str, int]:
+def generation_details(
+    trace: Trace, recipe: Recipe, encoder_decoder: bool = False, image_tokens: int = 0
+) -> dict[str, int]:
     """The figures of a traced generation (tensor bytes, before the allocator's rounding):
     the peaks of the prefill and of the last decode step, the cache at the end, and the
     cache per token of one sequence (read from the cache the prefill wrote, whose every
     layer holds each prompt token — a static cache each of its positions — before any
     sliding window drops one)."""
-    shape = generation_shape(recipe)
+    shape = generation_shape(recipe, image_tokens)
     peaks = {PREFILL: 0, DECODE: 0}
     live = 0
     for event in trace.events():
@@ -384,6 +503,15 @@ def generation_details(trace: Trace, recipe: Recipe) -> dict[str, int]:
         for a in trace.allocations
         if a.category == Component.KV_CACHE and a.free_index is None
     )
+    if encoder_decoder:
+        return {
+            "new_tokens": recipe.new_tokens or DEFAULT_NEW_TOKENS,
+            "sequences": recipe.batch_size,
+            "prefill_peak_bytes": peaks[PREFILL],
+            "decode_peak_bytes": peaks[DECODE],
+            "kv_cache_bytes": cache,
+            **encoder_decoder_details(trace, recipe),
+        }
     tokens = (
         shape.final_cache_len if shape.decode_steps or shape.cache == "static" else shape.prompt
     )
