@@ -292,8 +292,10 @@ def _vision_language(config, recipe: Recipe, label: str) -> ExampleInputs:
             "labels": ids,
         }
 
-    notes = [
+    notes = [  # generate states its own prompt (image tokens + --prompt-len)
         f"one image per sample ({_image_note(shape)}) as {images} image tokens before "
         f"{text} text tokens (--seq-len): {seq_len} tokens"
     ]
+    if recipe.mode == "generate":
+        notes = []
     return ExampleInputs((seq_len,), make_batch, sequence=True, notes=notes, value_checks=False)
