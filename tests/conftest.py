@@ -47,6 +47,30 @@ def tiny_gpt2_config(gpt2_config) -> Path:
     return gpt2_config()
 
 
+# A two-layer Llama over a 2048-token vocabulary: the fine-tuning and loss tests' model.
+TINY_LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 4,
+    "vocab_size": 2048,
+    "max_position_embeddings": 128,
+    "tie_word_embeddings": False,
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory) -> str:
+    """``hf:`` name of TINY_LLAMA's config written to a temporary file."""
+    pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("llama") / "config.json"
+    path.write_text(json.dumps(TINY_LLAMA))
+    return f"hf:{path}"
+
+
 @pytest.fixture
 def run_cli(capsys) -> Callable[..., tuple[int, str, str]]:
     """``run_cli(*args)`` runs ``vramplan ARGS`` in-process: (exit code, stdout, stderr)."""

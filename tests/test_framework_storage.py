@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_LLAMA
 from torch.nn import functional as F  # noqa: N812
 
 from vramplan import Recipe, UserError
@@ -17,27 +18,7 @@ from vramplan.result import Component
 from vramplan.sources import resolve
 from vramplan.trace.storage import cast_parameters
 
-TINY_LLAMA = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "vocab_size": 2048,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-}
 BATCH, SEQ, VOCAB = 2, 64, TINY_LLAMA["vocab_size"]
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("llama") / "config.json"
-    path.write_text(json.dumps(TINY_LLAMA))
-    return f"hf:{path}"
 
 
 def loss_4_48(logits, labels, vocab_size):
@@ -51,14 +32,14 @@ def loss_4_48(logits, labels, vocab_size):
     return F.cross_entropy(shift_logits, shift_labels, ignore_index=-100)
 
 
-def test_shift_copy_loss_matches_a_real_run_of_transformers_4_48_loss(llama):
+def test_shift_copy_loss_matches_a_real_run_of_transformers_4_48_loss(tiny_llama):
     """The traced peak with --loss-shift-copy equals a real CPU run of the whole model's
     forward followed by 4.48's loss (PyTorch's profiler) within 1%."""
     knobs = dict(batch_size=BATCH, seq_len=SEQ, optimizer="sgd", precision="bf16")
     recipe = Recipe(loss_shift_copy=True, **knobs)
-    traced = trace_and_estimate(resolve(llama, recipe), recipe, "cpu")[0].peak.allocated_bytes
+    traced = trace_and_estimate(resolve(tiny_llama, recipe), recipe, "cpu")[0].peak.allocated_bytes
     plain = Recipe(**knobs)
-    built = resolve(llama, plain, "cpu")
+    built = resolve(tiny_llama, plain, "cpu")
 
     def run(module, batch, training):
         inputs = {k: v for k, v in batch.items() if k != "labels"}
@@ -70,7 +51,7 @@ def test_shift_copy_loss_matches_a_real_run_of_transformers_4_48_loss(llama):
     assert abs(traced - real) <= 0.01 * real, (traced, real)
 
 
-def test_shift_copy_costs_one_fp32_copy_of_the_shifted_logits(llama):
+def test_shift_copy_costs_one_fp32_copy_of_the_shifted_logits(tiny_llama):
     """In forward, at the loss of a bf16 model, the old loss holds the bf16 logits, their
     fp32 upcast, its shifted copy and the copy's log-softmax; today's the logits, the
     upcast and its log-softmax: one ``[batch, seq - 1, vocab]`` fp32 tensor more, one
@@ -78,7 +59,7 @@ def test_shift_copy_costs_one_fp32_copy_of_the_shifted_logits(llama):
 
     def forward_peak(**knobs) -> int:
         recipe = Recipe(batch_size=BATCH, seq_len=SEQ, optimizer="sgd", precision="bf16", **knobs)
-        estimate = trace_and_estimate(resolve(llama, recipe), recipe, "cpu")[0]
+        estimate = trace_and_estimate(resolve(tiny_llama, recipe), recipe, "cpu")[0]
         return estimate.phase_peaks["forward"]
 
     expected = BATCH * (SEQ - 1) * VOCAB * 4 - BATCH * VOCAB * 4
@@ -91,7 +72,7 @@ def test_shift_copy_conflicts_with_replaced_losses():
         Recipe(loss_shift_copy=True, loss_chunks=4)
 
 
-def test_peft_adapters_in_a_bf16_model_are_fp32_as_peft_makes_them(llama):
+def test_peft_adapters_in_a_bf16_model_are_fp32_as_peft_makes_them(tiny_llama):
     """``--precision amp-bf16 --weights-dtype bf16 --keep-fp32 '*lora_*'`` stores what
     peft's ``get_peft_model`` leaves on a real bf16 model: base weights bf16, adapters fp32
     (``autocast_adapter_dtype=True``); the optimizer state follows the fp32 adapters."""
@@ -112,20 +93,20 @@ def test_peft_adapters_in_a_bf16_model_are_fp32_as_peft_makes_them(llama):
         lora_rank=4,
         lora_targets="q_proj,v_proj",
     )
-    built = resolve(llama, recipe)
+    built = resolve(tiny_llama, recipe)
     cast_parameters(built.model, recipe)
     assert {n: p.dtype for n, p in built.model.named_parameters()} == real_dtypes
-    estimate = trace_and_estimate(resolve(llama, recipe), recipe, "cpu")[0]
+    estimate = trace_and_estimate(resolve(tiny_llama, recipe), recipe, "cpu")[0]
     adapters = sum(p.numel() * 4 for n, p in real.named_parameters() if p.requires_grad)
     assert estimate.components[Component.OPTIMIZER_STATE] == 2 * adapters  # AdamW: 2 fp32
 
 
-def test_weights_dtype_needs_autocast_and_patterns_must_match(llama):
+def test_weights_dtype_needs_autocast_and_patterns_must_match(tiny_llama):
     with pytest.raises(UserError, match="amp-bf16"):
         Recipe(precision="bf16", weights_dtype="bf16")
     recipe = Recipe(precision="bf16", keep_fp32="*nothing_like_this*")
     with pytest.raises(UserError, match="matches no parameter"):
-        cast_parameters(resolve(llama, recipe).model, recipe)
+        cast_parameters(resolve(tiny_llama, recipe).model, recipe)
 
 
 # -- repeated blocks of a LoRA model ---------------------------------------------------------

@@ -5,10 +5,10 @@ hooks, saved-tensor hooks) and profiler, and exact arithmetic."""
 from __future__ import annotations
 
 import inspect
-import json
 
 import pytest
 import torch
+from conftest import TINY_LLAMA
 from torch import nn
 
 from vramplan import Recipe, UserError
@@ -21,27 +21,7 @@ from vramplan.sources.loss import liger_chunk_size
 from vramplan.sources.user_code import module_source
 from vramplan.trace.tricks import MIN_OFFLOAD_BYTES
 
-TINY_LLAMA = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 4,
-    "vocab_size": 2048,
-    "max_position_embeddings": 128,
-    "tie_word_embeddings": False,
-}
 BATCH, SEQ, VOCAB = 2, 64, TINY_LLAMA["vocab_size"]
-
-
-@pytest.fixture(scope="module")
-def llama(tmp_path_factory) -> str:
-    pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("llama") / "config.json"
-    path.write_text(json.dumps(TINY_LLAMA))
-    return f"hf:{path}"
 
 
 def mlp() -> nn.Module:
@@ -199,16 +179,16 @@ def test_offloaded_bytes_equal_what_real_saved_tensor_hooks_see():
 
 
 @pytest.mark.parametrize("knobs", [dict(loss_chunks=4), dict(fused_ce=True)])
-def test_chunked_losses_match_a_real_cpu_run(llama, knobs):
+def test_chunked_losses_match_a_real_cpu_run(tiny_llama, knobs):
     """The traced peak of torchtune's chunked loss and of Liger's fused loss (as modelled)
     equals PyTorch's profiler on a real CPU run of the same code within 1%."""
     recipe = Recipe(batch_size=BATCH, seq_len=SEQ, optimizer="sgd", **knobs)
-    traced = trace_and_estimate(resolve(llama, recipe), recipe, "cpu")[0].peak.allocated_bytes
-    real = measure_built(resolve(llama, recipe, "cpu"), recipe, "cpu", steps=2).allocated_bytes
+    traced = trace_and_estimate(resolve(tiny_llama, recipe), recipe, "cpu")[0].peak.allocated_bytes
+    real = measure_built(resolve(tiny_llama, recipe, "cpu"), recipe, "cpu", steps=2).allocated_bytes
     assert abs(traced - real) <= 0.01 * real, (traced, real)
 
 
-def test_logits_are_never_whole(llama):
+def test_logits_are_never_whole(tiny_llama):
     """The model's own loss makes the fp32 [batch, seq, vocab] logits; the chunked loss at
     most a quarter of them at once, the fused loss one Liger chunk of rows."""
     whole = BATCH * SEQ * VOCAB * 4
@@ -216,7 +196,7 @@ def test_logits_are_never_whole(llama):
 
     def sizes(**knobs) -> set[int]:
         recipe = Recipe(batch_size=BATCH, seq_len=SEQ, optimizer="sgd", **knobs)
-        trace = trace_and_estimate(resolve(llama, recipe), recipe, "cpu")[1]
+        trace = trace_and_estimate(resolve(tiny_llama, recipe), recipe, "cpu")[1]
         return {a.nbytes for a in trace.allocations if a.category in working}
 
     assert max(sizes()) == whole
@@ -242,13 +222,13 @@ def test_chunked_loss_needs_a_causal_lm():
 # -- DoRA -----------------------------------------------------------------------------------
 
 
-def test_dora_counts_equal_peft_on_the_real_model(llama):
+def test_dora_counts_equal_peft_on_the_real_model(tiny_llama):
     """peft's own count for the same config on a real CPU model: LoRA's A and B plus one
     magnitude per output feature of each target."""
     peft = pytest.importorskip("peft")
     transformers = pytest.importorskip("transformers")
     recipe = Recipe(lora_rank=4, lora_targets="q_proj,v_proj", dora=True)
-    built = resolve(llama, recipe)
+    built = resolve(tiny_llama, recipe)
     traced = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
     config = transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"})
     real = peft.get_peft_model(
