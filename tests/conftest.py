@@ -71,6 +71,22 @@ def tiny_llama(tmp_path_factory) -> str:
     return f"hf:{path}"
 
 
+# A two-level diffusers UNet over 8 × 8 latents: the diffusion tests' model.
+TINY_UNET = {
+    "_class_name": "UNet2DConditionModel",
+    "block_out_channels": [32, 64],
+    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
+    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
+    "layers_per_block": 1,
+    "cross_attention_dim": 32,
+    "attention_head_dim": 8,
+    "norm_num_groups": 8,
+    "sample_size": 8,
+    "in_channels": 4,
+    "out_channels": 4,
+}
+
+
 @pytest.fixture
 def run_cli(capsys) -> Callable[..., tuple[int, str, str]]:
     """``run_cli(*args)`` runs ``vramplan ARGS`` in-process: (exit code, stdout, stderr)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import TINY_UNET
 
 from vramplan.errors import UserError
 from vramplan.measurement.run import measure_built
@@ -14,19 +15,6 @@ from vramplan.sources import resolve
 
 pytest.importorskip("diffusers")
 
-TINY_UNET = {
-    "_class_name": "UNet2DConditionModel",
-    "block_out_channels": [32, 64],
-    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
-    "layers_per_block": 1,
-    "cross_attention_dim": 32,
-    "attention_head_dim": 8,
-    "norm_num_groups": 8,
-    "sample_size": 8,
-    "in_channels": 4,
-    "out_channels": 4,
-}
 TINY_DIT = {
     "_class_name": "DiTTransformer2DModel",
     "num_attention_heads": 2,

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_UNET
 
 from vramplan.errors import UserError
 from vramplan.measurement.run import measure_built
@@ -21,19 +22,6 @@ from vramplan.sources import resolve
 pytest.importorskip("diffusers")
 pytest.importorskip("transformers")
 
-UNET = {
-    "_class_name": "UNet2DConditionModel",
-    "block_out_channels": [32, 64],
-    "down_block_types": ["CrossAttnDownBlock2D", "DownBlock2D"],
-    "up_block_types": ["UpBlock2D", "CrossAttnUpBlock2D"],
-    "layers_per_block": 1,
-    "cross_attention_dim": 32,
-    "attention_head_dim": 8,
-    "norm_num_groups": 8,
-    "sample_size": 8,
-    "in_channels": 4,
-    "out_channels": 4,
-}
 VAE = {  # four blocks: downsamples by 8 as Stable Diffusion's
     "_class_name": "AutoencoderKL",
     "block_out_channels": [8, 8, 16, 16],
@@ -60,7 +48,7 @@ TEXT = {
 
 @pytest.fixture
 def pipeline(tmp_path):
-    for folder, config in (("unet", UNET), ("vae", VAE), ("text_encoder", TEXT)):
+    for folder, config in (("unet", TINY_UNET), ("vae", VAE), ("text_encoder", TEXT)):
         (tmp_path / folder).mkdir()
         (tmp_path / folder / "config.json").write_text(json.dumps(config))
     return f"diffusers:{tmp_path / 'unet'}"
@@ -103,7 +91,7 @@ def test_models_without_bundled_encoders_are_refused(tmp_path):
     with pytest.raises(UserError, match="SDXL"):
         resolve("diffusers:sdxl-unet", Recipe(diffusion_encoders="frozen"))
     (tmp_path / "unet").mkdir()
-    (tmp_path / "unet" / "config.json").write_text(json.dumps(UNET))
+    (tmp_path / "unet" / "config.json").write_text(json.dumps(TINY_UNET))
     with pytest.raises(UserError, match="vae/config.json"):
         resolve(f"diffusers:{tmp_path / 'unet'}", Recipe(diffusion_encoders="frozen"))
     with pytest.raises(UserError, match="diffusion encoders"):
