@@ -309,15 +309,8 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
     images = generator.image.tokens if generator.image else 0
     shape = generation_shape(recipe, images)
     generator.check_length(built.name, shape.final_cache_len + 1)
-    notes = prepare_model_for(built, recipe)
-    model = built.model
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(time_limit(f"the traced generation of {built.name}"))
-        session = stack.enter_context(
-            tracing(model, policy, recipe, built.name, "check --prompt-len / --new-tokens")
-        )
-        session.notes.extend(notes + built.notes)
-        session.prepare_model(model)
+    with _generation_session(built, recipe, policy) as session:
+        model = built.model
         recorder = session.recorder
 
         def phase(iteration: int) -> None:
@@ -360,6 +353,22 @@ def trace_generation(built: BuiltModel, recipe: Recipe, policy: DevicePolicy) ->
     return session.finish()
 
 
+@contextlib.contextmanager
+def _generation_session(built: BuiltModel, recipe: Recipe, policy: DevicePolicy):
+    """The tracing session of one traced ``generate``, under the time limit, with the
+    model prepared as the recipe stores it and the preparation's and model's notes."""
+    notes = prepare_model_for(built, recipe)
+    with (
+        time_limit(f"the traced generation of {built.name}"),
+        tracing(
+            built.model, policy, recipe, built.name, "check --prompt-len / --new-tokens"
+        ) as session,
+    ):
+        session.notes.extend(notes + built.notes)
+        session.prepare_model(built.model)
+        yield session
+
+
 def _check_encoder_decoder(built: BuiltModel, recipe: Recipe) -> None:
     """Refuse what the encoder-decoder trace does not model."""
     what = f"--mode generate of the encoder-decoder {built.name}"
@@ -396,15 +405,8 @@ def trace_encoder_decoder(built: BuiltModel, recipe: Recipe, policy: DevicePolic
     new_tokens = recipe.new_tokens or DEFAULT_NEW_TOKENS
     generator.check_length(built.name, new_tokens + 1)
     sequences = recipe.batch_size
-    notes = prepare_model_for(built, recipe)
-    model = built.model
-    with contextlib.ExitStack() as stack:
-        stack.enter_context(time_limit(f"the traced generation of {built.name}"))
-        session = stack.enter_context(
-            tracing(model, policy, recipe, built.name, "check --prompt-len / --new-tokens")
-        )
-        session.notes.extend(notes + built.notes)
-        session.prepare_model(model)
+    with _generation_session(built, recipe, policy) as session:
+        model = built.model
         recorder = session.recorder
         recorder.set_phase(Phase.FORWARD, PREFILL)
         session.modules.reset()
