@@ -87,6 +87,22 @@ TINY_UNET = {
 }
 
 
+def gqa_llama(layers: int) -> dict:
+    """A narrow Llama config with grouped-query attention and ``layers`` blocks (the
+    block-repetition tests vary the depth)."""
+    return {
+        "model_type": "llama",
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 512,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 128,
+    }
+
+
 @pytest.fixture
 def run_cli(capsys) -> Callable[..., tuple[int, str, str]]:
     """``run_cli(*args)`` runs ``vramplan ARGS`` in-process: (exit code, stdout, stderr)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import gqa_llama
 
 from vramplan.device.options import device_options
 from vramplan.planner.bench import Workbench
@@ -26,18 +27,7 @@ def _short_runs_repeat_too(monkeypatch):
 def llama(tmp_path):
     def spec(layers: int) -> str:
         path = tmp_path / f"llama{layers}.json"
-        config = {
-            "model_type": "llama",
-            "architectures": ["LlamaForCausalLM"],
-            "vocab_size": 512,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": layers,
-            "num_attention_heads": 4,
-            "num_key_value_heads": 2,
-            "max_position_embeddings": 128,
-        }
-        path.write_text(json.dumps(config))
+        path.write_text(json.dumps(gqa_llama(layers)))
         return f"hf:{path}"
 
     return spec

@@ -6,26 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import gqa_llama
 
 from vramplan.device.options import device_options
 from vramplan.pipeline import trace_and_estimate
 from vramplan.recipe import Recipe
 from vramplan.sources import resolve
 from vramplan.trace.repeat import same_events
-
-
-def _llama(layers: int) -> dict:
-    return {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 512,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": layers,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 128,
-    }
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +24,7 @@ def _short_runs_repeat_too(monkeypatch):
 
 def _both(tmp_path, layers: int, **knobs):
     path = tmp_path / "llama.json"
-    path.write_text(json.dumps(_llama(layers)))
+    path.write_text(json.dumps(gqa_llama(layers)))
     recipe = Recipe(batch_size=2, seq_len=32, **knobs)
     device = device_options(gpu="a100-80gb")
     results = []
