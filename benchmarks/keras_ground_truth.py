@@ -1,26 +1,21 @@
 """The traced Keras step against a real ``model.fit`` of the same model on the CPU (Keras's
 torch backend), measured with PyTorch's profiler over the whole run (the model's build,
-compile and two training steps), beside the PyTorch twin's trace (prints only).
+compile and two training steps), beside the PyTorch twins' traces (prints only).
 
 PYTHONPATH=src python benchmarks/keras_ground_truth.py
 """
 
 from __future__ import annotations
 
-import dataclasses
 import gc
 import json
 import subprocess
 import sys
 
 import torch
-from keras_vs_torch import CASES, B, C, keras
+from keras_vs_torch import CASES, B, C, keras, keras_estimate, twin_estimate
 
 from vramplan.measurement.run import cpu_peak_of
-from vramplan.pipeline import estimate_built
-from vramplan.recipe import Recipe
-from vramplan.sources.keras_models import KerasBuild, keras_source
-from vramplan.sources.user_code import module_source
 
 
 def fit_peak(factory, shape: tuple[int, ...] | None, integer: bool) -> int:
@@ -50,44 +45,34 @@ def fit_peak_alone(label: str, gc_mode: str) -> int:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def traced(factory, shape: tuple[int, ...] | None, after_forward: bool) -> int:
-    recipe = Recipe(batch_size=B, optimizer="adam", input_shape=shape)
-    built = keras_source(keras, KerasBuild(keras, None)(factory), recipe, "keras")
-    built = dataclasses.replace(built, zero_grad_after_forward=after_forward)
-    return estimate_built(built, recipe, "cpu").peak.allocated_bytes
-
-
-def twin(torch_class, shape: tuple[int, ...]) -> int:
-    recipe = Recipe(batch_size=B, optimizer="adam", input_shape=shape)
-    with torch.device("meta"):
-        model = torch_class()
-    return estimate_built(module_source(model, recipe, "torch"), recipe, "cpu").peak.allocated_bytes
-
-
 def real_main(label: str, gc_mode: str) -> None:
-    case = next(case for case in CASES if case[0] == label)
+    case = next(case for case in CASES if case.label == label)
     if gc_mode == "off":
         gc.disable()
     elif gc_mode == "eager":
         gc.set_threshold(1, 1, 1)
-    print(json.dumps(fit_peak(case[1], case[4], label.startswith("transformer"))))
+    print(
+        json.dumps(fit_peak(case.keras_factory, case.keras_shape, label.startswith("transformer")))
+    )
 
 
 def main() -> None:
     print(
         f"{'case':<26} {'model.fit':>11} {'gc off':>11} {'traced':>11} {'ratio':>6} "
-        f"{'zero@step':>11} {'ratio':>6} {'twin':>11} {'traced/twin':>11}"
+        f"{'zero@step':>11} {'ratio':>6} {'same way':>11} {'ratio':>6} {'nn twin':>11} "
+        f"{'ratio':>6}"
     )
-    for label, keras_factory, torch_class, torch_shape, keras_shape in CASES:
-        real = fit_peak_alone(label, "on")
-        no_gc = fit_peak_alone(label, "off")
-        keras_way = traced(keras_factory, keras_shape, True)
-        torch_way = traced(keras_factory, keras_shape, False)
-        twin_bytes = twin(torch_class, torch_shape)
+    for case in CASES:
+        real = fit_peak_alone(case.label, "on")
+        no_gc = fit_peak_alone(case.label, "off")
+        keras_way = keras_estimate(case).peak.allocated_bytes
+        torch_way = keras_estimate(case, zero_grad_after_forward=False).peak.allocated_bytes
+        same = twin_estimate(case, same_way=True).peak.allocated_bytes
+        plain = twin_estimate(case, same_way=False).peak.allocated_bytes
         print(
-            f"{label:<26} {real:>11,} {no_gc:>11,} {keras_way:>11,} {keras_way / real:>6.3f} "
-            f"{torch_way:>11,} {torch_way / real:>6.3f} {twin_bytes:>11,} "
-            f"{keras_way / twin_bytes:>11.3f}",
+            f"{case.label:<26} {real:>11,} {no_gc:>11,} {keras_way:>11,} "
+            f"{keras_way / real:>6.3f} {torch_way:>11,} {torch_way / real:>6.3f} "
+            f"{same:>11,} {keras_way / same:>6.3f} {plain:>11,} {keras_way / plain:>6.3f}",
             flush=True,
         )
 

@@ -1,10 +1,17 @@
 """Keras on its torch backend vs the same architecture in PyTorch: the allocated peak of
-each, traced the same way (target cpu), and their ratio (prints only).
+each, traced the same way (target cpu), and their ratio (prints only). Two twins: the
+one a PyTorch user writes (nn.Linear, SDPA on transposed views) and the one computed as
+Keras computes it (einsum projections, contiguous q/k/v, a functional model's layer
+outputs kept through the forward pass, gradients cleared after the next forward pass).
 
 PYTHONPATH=src python benchmarks/keras_vs_torch.py
 """
 
 from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -12,6 +19,7 @@ from torch.nn import functional as F
 
 from vramplan.pipeline import estimate_built
 from vramplan.recipe import Recipe
+from vramplan.result import Estimate
 from vramplan.sources.keras_models import KerasBuild, import_keras, keras_source
 from vramplan.sources.user_code import module_source
 
@@ -39,6 +47,29 @@ class TorchCnn(nn.Module):
 
     def forward(self, x):
         return self.fc(torch.relu(self.c2(torch.relu(self.c1(x)))).mean((2, 3)))
+
+
+class ChannelsLastCnn(nn.Module):
+    """The channels-last CNN as Keras's torch backend computes it
+    (keras/src/backend/torch/nn.py ``conv``): the (B, H, W, C) input permuted to
+    channels-first and made contiguous, then made channels-last in memory again, the
+    (kh, kw, in, out) kernel permuted likewise, the output permuted back; then the bias
+    added and the activation (keras/src/layers/convolutional/base_conv.py)."""
+
+    def __init__(self):
+        super().__init__()
+        self.kernels = nn.ParameterList(
+            nn.Parameter(torch.empty(3, 3, n_in, n_out)) for n_in, n_out in ((3, 32), (32, 64))
+        )
+        self.biases = nn.ParameterList(nn.Parameter(torch.empty(n)) for n in (32, 64))
+        self.fc = nn.Linear(64, C)
+
+    def forward(self, x):
+        for kernel, bias in zip(self.kernels, self.biases, strict=True):
+            x = x.permute(0, 3, 1, 2).contiguous().contiguous(memory_format=torch.channels_last)
+            weight = kernel.permute(3, 2, 0, 1).contiguous(memory_format=torch.channels_last)
+            x = torch.relu(F.conv2d(x, weight, padding=1).permute(0, 2, 3, 1) + bias)
+        return self.fc(x.mean((1, 2)))
 
 
 def keras_block(h):
@@ -103,39 +134,168 @@ class TorchBlock(nn.Module):
         return self.norm2(h + self.down(torch.relu(self.up(h))))
 
 
-class TorchTransformer(nn.Module):
+class EinsumBlock(nn.Module):
+    """The block as Keras computes it on its torch backend, written in torch: EinsumDense
+    projections (``torch.einsum`` then a separate bias add; keras/src/layers/core/
+    einsum_dense.py), q, k and v transposed to (B, N, T, H) and made contiguous before
+    SDPA, the output transposed back and projected by einsum ``abcd,cde->abe``
+    (keras/src/backend/torch/nn.py ``dot_product_attention``; keras/src/layers/attention/
+    multi_head_attention.py), Dense as matmul then bias add."""
+
     def __init__(self):
         super().__init__()
-        self.embed, self.blocks = nn.Embedding(V, D), nn.Sequential(TorchBlock(), TorchBlock())
+        self.qkv = nn.ParameterList(nn.Parameter(torch.empty(D, HEADS, HEAD_DIM)) for _ in range(3))
+        self.qkv_bias = nn.ParameterList(
+            nn.Parameter(torch.empty(HEADS, HEAD_DIM)) for _ in range(3)
+        )
+        self.o, self.o_bias = (
+            nn.Parameter(torch.empty(HEADS, HEAD_DIM, D)),
+            nn.Parameter(torch.empty(D)),
+        )
+        self.up, self.up_bias = nn.Parameter(torch.empty(D, FF)), nn.Parameter(torch.empty(FF))
+        self.down, self.down_bias = nn.Parameter(torch.empty(FF, D)), nn.Parameter(torch.empty(D))
+        self.norm1, self.norm2 = nn.LayerNorm(D, eps=1e-3), nn.LayerNorm(D, eps=1e-3)
+
+    def forward(self, h, kept: list | None = None):
+        """``kept``: a list that holds each Keras layer's output, as a functional model's
+        graph does until its forward pass returns (keras/src/ops/function.py)."""
+
+        def layer(output):
+            if kept is not None:
+                kept.append(output)
+            return output
+
+        q, k, v = (
+            (torch.einsum("abc,cde->abde", h, w) + b).transpose(1, 2).contiguous()
+            for w, b in zip(self.qkv, self.qkv_bias, strict=True)
+        )
+        attended = F.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        # nested calls, as Keras's block writes them: no local holds a layer's output
+        h = layer(
+            self.norm1(
+                layer(h + layer(torch.einsum("abcd,cde->abe", attended, self.o) + self.o_bias))
+            )
+        )
+        up = layer(torch.relu(torch.matmul(h, self.up) + self.up_bias))
+        return layer(self.norm2(layer(h + layer(torch.matmul(up, self.down) + self.down_bias))))
+
+
+class TorchTransformer(nn.Module):
+    def __init__(self, block=TorchBlock):
+        super().__init__()
+        self.embed, self.blocks = nn.Embedding(V, D), nn.Sequential(block(), block())
         self.head = nn.Linear(D, C)
 
     def forward(self, x):
         return self.head(self.blocks(self.embed(x)).mean(1))
 
 
-# (label, Keras factory, PyTorch twin, the twin's input shape, the Keras input shape when
-# the model has no keras.Input)
+class EinsumTransformer(TorchTransformer):
+    """The transformer with Keras's block computation (``EinsumBlock``); ``functional``:
+    every layer's output kept until the forward pass returns, as Keras's functional
+    graph keeps it."""
+
+    def __init__(self, functional: bool = False):
+        super().__init__(EinsumBlock)
+        self.functional = functional
+
+    def forward(self, x):
+        kept = [] if self.functional else None
+        h = self.embed(x)
+        for block in self.blocks:
+            h = block(h, kept)
+        return self.head(h.mean(1))
+
+
+class Case(NamedTuple):
+    """One Keras model and its PyTorch twins."""
+
+    label: str
+    keras_factory: Callable[[], Any]
+    twin: Callable[[], nn.Module]
+    """The architecture as a PyTorch user writes it (nn.Linear, SDPA on views)."""
+    twin_shape: tuple[int, ...]
+    keras_shape: tuple[int, ...] | None
+    """The Keras input shape when the model has no keras.Input."""
+    same_way: Callable[[], nn.Module]
+    """The twin computed as Keras computes it (``EinsumBlock``; a functional model's layer
+    outputs kept through the forward pass), traced in Keras's step order."""
+    same_way_shape: tuple[int, ...] | None = None
+    """Its input shape, where not ``twin_shape`` (channels last)."""
+
+
 CASES = [
-    ("CNN, channels first", lambda: keras_cnn("channels_first"), TorchCnn, (3, 32, 32), None),
-    ("CNN, channels last", lambda: keras_cnn("channels_last"), TorchCnn, (3, 32, 32), None),
-    ("transformer, subclassed", keras_subclassed_transformer, TorchTransformer, (T,), (T,)),
-    ("transformer, functional", keras_functional_transformer, TorchTransformer, (T,), None),
+    Case(
+        "CNN, channels first",
+        lambda: keras_cnn("channels_first"),
+        TorchCnn,
+        (3, 32, 32),
+        None,
+        TorchCnn,
+    ),
+    Case(
+        "CNN, channels last",
+        lambda: keras_cnn("channels_last"),
+        TorchCnn,
+        (3, 32, 32),
+        None,
+        ChannelsLastCnn,
+        (32, 32, 3),
+    ),
+    Case(
+        "transformer, subclassed",
+        keras_subclassed_transformer,
+        TorchTransformer,
+        (T,),
+        (T,),
+        EinsumTransformer,
+    ),
+    Case(
+        "transformer, functional",
+        keras_functional_transformer,
+        TorchTransformer,
+        (T,),
+        None,
+        lambda: EinsumTransformer(functional=True),
+    ),
 ]
 
 
+def keras_estimate(case: Case, zero_grad_after_forward: bool = True) -> Estimate:
+    """The traced step of the Keras model (``False``: gradients cleared after the optimizer
+    step instead of after the next forward pass, as Keras's ``train_step`` does)."""
+    recipe = Recipe(batch_size=B, optimizer="adam", input_shape=case.keras_shape)
+    built = keras_source(keras, KerasBuild(keras, None)(case.keras_factory), recipe, case.label)
+    built = dataclasses.replace(built, zero_grad_after_forward=zero_grad_after_forward)
+    return estimate_built(built, recipe, "cpu")
+
+
+def twin_estimate(case: Case, same_way: bool) -> Estimate:
+    """The traced step of a twin: ``case.same_way`` in Keras's step order (gradients
+    cleared after the next forward pass, as Keras's ``train_step`` does) or ``case.twin``
+    in PyTorch's (after the optimizer step)."""
+    factory, shape = case.twin, case.twin_shape
+    if same_way:
+        factory, shape = case.same_way, case.same_way_shape or case.twin_shape
+    recipe = Recipe(batch_size=B, optimizer="adam", input_shape=shape)
+    with torch.device("meta"):
+        twin = factory()
+    built = dataclasses.replace(
+        module_source(twin, recipe, "torch"), zero_grad_after_forward=same_way
+    )
+    return estimate_built(built, recipe, "cpu")
+
+
 def main() -> None:
-    print(f"{'case':<26} {'keras bytes':>12} {'torch bytes':>12} {'ratio':>7}")
-    for label, keras_factory, torch_class, torch_shape, keras_shape in CASES:
-        keras_recipe = Recipe(batch_size=B, optimizer="adam", input_shape=keras_shape)
-        built = keras_source(keras, KerasBuild(keras, None)(keras_factory), keras_recipe, label)
-        keras_bytes = estimate_built(built, keras_recipe, "cpu").peak.allocated_bytes
-        recipe = Recipe(batch_size=B, optimizer="adam", input_shape=torch_shape)
-        with torch.device("meta"):
-            twin = torch_class()
-        torch_bytes = estimate_built(module_source(twin, recipe, "torch"), recipe, "cpu")
-        torch_bytes = torch_bytes.peak.allocated_bytes
+    print(f"{'case':<26} {'keras':>11} {'same way':>11} {'ratio':>6} {'nn twin':>11} {'ratio':>6}")
+    for case in CASES:
+        traced = keras_estimate(case).peak.allocated_bytes
+        same = twin_estimate(case, same_way=True).peak.allocated_bytes
+        plain = twin_estimate(case, same_way=False).peak.allocated_bytes
         print(
-            f"{label:<26} {keras_bytes:>12,} {torch_bytes:>12,} {keras_bytes / torch_bytes:>7.3f}"
+            f"{case.label:<26} {traced:>11,} {same:>11,} {traced / same:>6.3f} "
+            f"{plain:>11,} {traced / plain:>6.3f}",
+            flush=True,
         )
 
 
