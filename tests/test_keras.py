@@ -23,7 +23,12 @@ from vramplan.errors import UserError  # noqa: E402
 from vramplan.pipeline import estimate_built, model_info  # noqa: E402
 from vramplan.recipe import Recipe  # noqa: E402
 from vramplan.sources import resolve  # noqa: E402
-from vramplan.sources.keras_models import KerasBuild, import_keras, keras_source  # noqa: E402
+from vramplan.sources.keras_models import (  # noqa: E402
+    KerasBuild,
+    import_keras,
+    keras_source,
+    scales_loss,
+)
 
 keras = import_keras()
 
@@ -127,6 +132,37 @@ def test_compiled_optimizer_is_named_in_the_notes(tmp_path):
     )
     built = resolve(f"keras:{factory}:make", Recipe(batch_size=4, optimizer="adam"))
     assert any("--optimizer momentum" in note for note in built.notes)
+
+
+@pytest.mark.parametrize(
+    ("compile_line", "scaled"),
+    [
+        ("", True),  # model.fit would compile it under its policy: Keras's default wraps
+        ("    model.compile(optimizer='adam', loss='mse')\n", True),
+        ("    model.compile(optimizer='adam', loss='mse', auto_scale_loss=False)\n", False),
+    ],
+)
+def test_loss_scaling_follows_model_compile(tmp_path, compile_line, scaled):
+    """A LossScaleOptimizer steps the trace exactly when ``model.compile`` makes one: the
+    mixed_float16 policy with ``auto_scale_loss`` left on; the optimizer inside it names
+    the state (no note that --optimizer differs from the compiled one)."""
+    factory = tmp_path / "net.py"
+    factory.write_text(
+        "import keras\n"
+        "def make():\n"
+        "    x = keras.Input((8,))\n"
+        "    model = keras.Model(x, keras.layers.Dense(4)(x))\n"
+        + compile_line
+        + "    return model\n"
+    )
+    recipe = Recipe(batch_size=4, optimizer="adam", precision="amp-fp16")
+    built = resolve(f"keras:{factory}:make", recipe)
+    assert scales_loss(built.model) is scaled
+    assert not any("this estimate used --optimizer" in note for note in built.notes)
+    with torch.device("meta"):
+        params = list(built.model.parameters())
+    stepped = built.make_optimizer(params, recipe).keras_optimizer
+    assert isinstance(stepped, keras.optimizers.LossScaleOptimizer) is scaled
 
 
 def test_custom_objects_are_refused_unless_allowed(tmp_path):

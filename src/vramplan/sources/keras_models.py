@@ -105,7 +105,8 @@ def import_keras():
 
 
 def keras_optimizer_name(optimizer: Any) -> str | None:
-    """The vramplan ``--optimizer`` with the state of a Keras optimizer (None: unknown).
+    """The vramplan ``--optimizer`` with the state of a Keras optimizer (None: unknown); a
+    ``LossScaleOptimizer`` has its inner optimizer's.
 
     >>> class SGD:
     ...     momentum = 0.9
@@ -114,6 +115,7 @@ def keras_optimizer_name(optimizer: Any) -> str | None:
     """
     if optimizer is None:
         return None
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # a LossScaleOptimizer's
     name = type(optimizer).__name__
     if name == "SGD":
         return "momentum" if getattr(optimizer, "momentum", 0.0) else "sgd"
@@ -124,8 +126,9 @@ class KerasOptimizer(torch.optim.Optimizer):
     """Keras's own optimizer behind ``torch.optim.Optimizer``'s interface: ``step()`` runs
     ``keras_optimizer.apply`` (on the torch backend, ``torch._foreach_*`` updates with their
     temporaries, e.g. Adam's ``m * alpha``, ``sqrt(v)``, ``sqrt(v) + eps`` and their
-    quotient at once), so the tracer's optimizer hooks see the step, and ``state`` holds
-    the variables Keras creates on its first step (moments, velocities)."""
+    quotient at once; a ``LossScaleOptimizer``'s finiteness check and unscaled copy of
+    every gradient), so the tracer's optimizer hooks see the step, and ``state`` holds the
+    variables Keras creates on its first step (moments, velocities)."""
 
     def __init__(self, keras, keras_optimizer, model, params: list[nn.Parameter]) -> None:
         super().__init__(params, {})
@@ -136,13 +139,31 @@ class KerasOptimizer(torch.optim.Optimizer):
         weights = list(self.model.trainable_weights)
         grads = [weight.value.grad for weight in weights]
         device = self.param_groups[0]["params"][0].device
-        with self.keras.device(str(device)):
+        with self.keras.device(str(device)), _traced_conditions():
             self.keras_optimizer.apply(grads, weights)
         self.state["keras"] = {
             variable.path: variable.value
             for variable in self.keras_optimizer.variables
             if variable.value.dim() > 0
         }
+
+
+def _fresh_optimizer(keras, optimizer: Any) -> Any:
+    """A new, unbuilt optimizer of ``optimizer``'s class and arguments. One that
+    ``model.compile`` made on the meta device (in the user's factory, or replayed from a
+    file's compile config) keeps its learning rate as a variable without a value for
+    ``get_config`` to read: the copy gets a placeholder rate instead (a scalar either
+    way; it sizes nothing)."""
+    rate = optimizer._learning_rate
+    if isinstance(rate, keras.Variable) and rate.value.device.type == "meta":
+        optimizer._learning_rate = 1e-3
+        try:
+            config = optimizer.get_config()
+        finally:
+            optimizer._learning_rate = rate
+    else:
+        config = optimizer.get_config()
+    return type(optimizer).from_config(config)
 
 
 def _custom_modules(config: Any) -> Iterator[str]:
@@ -290,6 +311,43 @@ def _unseeded_random() -> Iterator[None]:
         random.torch_seed_generator = seeded
 
 
+@contextlib.contextmanager
+def _traced_conditions() -> Iterator[None]:
+    """``keras.ops.cond`` on the torch backend branches on the predicate's value, which a
+    fake tensor does not have: while tracing, such a predicate is taken as true, Keras's
+    own rule for symbolic execution (keras/src/backend/torch/core.py ``cond``). For a
+    ``LossScaleOptimizer`` that is the step with finite gradients (the inner update runs)
+    and its counter's upscale branch (scalar updates either way); real tensors branch as
+    Keras does."""
+    from keras.src.backend.torch import core
+    from torch._subclasses.fake_tensor import is_fake
+
+    branching = core.cond
+
+    def cond(pred, true_fn, false_fn):
+        if isinstance(pred, torch.Tensor) and is_fake(pred):
+            return true_fn()
+        return branching(pred, true_fn, false_fn)
+
+    core.cond = cond
+    try:
+        yield
+    finally:
+        core.cond = branching
+
+
+def scales_loss(model) -> bool:
+    """Whether ``model.fit`` scales the loss with a ``LossScaleOptimizer``: the optimizer a
+    compiled model holds is one, or (a model not compiled in memory, or read from a file
+    whose compile config ``model.compile`` replays) the model's dtype policy is
+    ``mixed_float16``, under which ``model.compile`` wraps the optimizer in one
+    (``auto_scale_loss=True``, keras/src/trainers/trainer.py ``compile``)."""
+    compiled = getattr(model, "optimizer", None)
+    if compiled is not None:
+        return type(compiled).__name__ == "LossScaleOptimizer"
+    return model.dtype_policy.name == "mixed_float16"
+
+
 def _materialize_constants(model) -> None:
     """Tensors a layer computed at build time and keeps outside its variables (the
     Normalization layer's mean and variance cast to the compute dtype) live on the meta
@@ -395,6 +453,9 @@ def keras_source(keras, model, recipe: Recipe, name: str) -> BuiltModel:
             inputs = torch.randn(batch_size, *shape)
         return inputs
 
+    loss_scaled = scales_loss(model)
+    stepping: list[KerasOptimizer] = []  # the optimizer made for the step, once made
+
     def run(module: nn.Module, batch: Batch, training: bool) -> Any:
         for variable, slot, key in links:  # the tracer swapped the tensors: follow them
             variable._value = slot[key]
@@ -404,18 +465,23 @@ def keras_source(keras, model, recipe: Recipe, name: str) -> BuiltModel:
             output = module(batch, training=training)
             if not training:
                 return output
-            logits = output[0] if isinstance(output, (list, tuple)) else output
-            if loss_fn is None and logits.dim() == 2 and logits.shape[-1] > 1:
-                targets = torch.randint(0, logits.shape[-1], logits.shape[:-1])
-                return keras.losses.sparse_categorical_crossentropy(targets, logits).mean()
-            if loss_fn is None:
-                return keras.losses.mean_squared_error(torch.zeros_like(logits), logits).mean()
-            if sparse:
-                targets = torch.randint(0, logits.shape[-1], logits.shape[:-1])
-            else:
-                targets = torch.zeros_like(logits, dtype=torch.float32)
-            value = loss_fn(targets, logits)
-            return value.mean() if value.dim() else value
+            value = loss_of(output[0] if isinstance(output, (list, tuple)) else output)
+            if stepping:  # model.fit's train_step: loss = self.optimizer.scale_loss(loss)
+                value = stepping[-1].keras_optimizer.scale_loss(value)
+            return value
+
+    def loss_of(logits: torch.Tensor) -> torch.Tensor:
+        if loss_fn is None and logits.dim() == 2 and logits.shape[-1] > 1:
+            targets = torch.randint(0, logits.shape[-1], logits.shape[:-1])
+            return keras.losses.sparse_categorical_crossentropy(targets, logits).mean()
+        if loss_fn is None:
+            return keras.losses.mean_squared_error(torch.zeros_like(logits), logits).mean()
+        if sparse:
+            targets = torch.randint(0, logits.shape[-1], logits.shape[:-1])
+        else:
+            targets = torch.zeros_like(logits, dtype=torch.float32)
+        value = loss_fn(targets, logits)
+        return value.mean() if value.dim() else value
 
     notes = [
         f"Keras {keras.__version__} traced on its torch backend (the step model.fit runs: "
@@ -453,23 +519,30 @@ def keras_source(keras, model, recipe: Recipe, name: str) -> BuiltModel:
     def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> KerasOptimizer | None:
         if recipe.optimizer not in KERAS_OPTIMIZERS:
             return None  # vramplan's own (8-bit, paged, ...): no Keras optimizer has it
-        if compiled is not None and wanted == recipe.optimizer:
-            keras_optimizer = type(compiled).from_config(compiled.get_config())
+        inner = getattr(compiled, "inner_optimizer", compiled)
+        if inner is not None and wanted == recipe.optimizer:
+            keras_optimizer = _fresh_optimizer(keras, inner)
         else:
             class_name, arguments = KERAS_OPTIMIZERS[recipe.optimizer]
             keras_optimizer = getattr(keras.optimizers, class_name)(**arguments)
-        return KerasOptimizer(keras, keras_optimizer, model, params)
+        if loss_scaled:
+            scaling = {"initial_scale": 2.0**15, "dynamic_growth_steps": 2000}
+            scaling = {k: getattr(compiled, k, v) for k, v in scaling.items()}
+            keras_optimizer = keras.optimizers.LossScaleOptimizer(keras_optimizer, **scaling)
+        stepping[:] = [KerasOptimizer(keras, keras_optimizer, model, params)]
+        return stepping[0]
 
     if recipe.is_training and recipe.optimizer in KERAS_OPTIMIZERS:
         notes.append(
             "the optimizer step is Keras's own (keras.optimizers on the torch backend: its "
             "variables and its foreach update's temporaries)"
         )
-    if recipe.is_training and policy == "mixed_float16":
+    if recipe.is_training and loss_scaled and recipe.optimizer in KERAS_OPTIMIZERS:
         notes.append(
-            "model.compile wraps the optimizer in a LossScaleOptimizer under mixed_float16; "
-            "its unscaling of the gradients (a copy of every gradient during the update) "
-            "is not traced"
+            "loss scaling traced: model.compile wraps the optimizer in a LossScaleOptimizer "
+            "under mixed_float16, which scales the loss, checks every gradient for inf/NaN "
+            "and divides each by the scale into a copy (all copies alive through the inner "
+            "optimizer's update)"
         )
     return BuiltModel(
         name=name,
