@@ -13,6 +13,7 @@ import zipfile
 
 import pytest
 import torch
+from rich.console import Console
 
 if importlib.util.find_spec("keras") is None:
     pytest.skip("keras is not installed", allow_module_level=True)
@@ -22,6 +23,7 @@ from vramplan.device.catalog import lookup_gpu  # noqa: E402
 from vramplan.errors import UserError  # noqa: E402
 from vramplan.pipeline import estimate_built, model_info  # noqa: E402
 from vramplan.recipe import Recipe  # noqa: E402
+from vramplan.report.terminal import render_estimate  # noqa: E402
 from vramplan.sources import resolve  # noqa: E402
 from vramplan.sources.keras_models import (  # noqa: E402
     KerasBuild,
@@ -165,6 +167,22 @@ def test_loss_scaling_follows_model_compile(tmp_path, compile_line, scaled):
     assert isinstance(stepped, keras.optimizers.LossScaleOptimizer) is scaled
 
 
+def test_jit_compile_on_the_torch_backend_is_torch_compile(tmp_path):
+    """Keras's torch backend runs ``jit_compile=True`` under torch.compile, not XLA
+    (keras/src/backend/torch/trainer.py); the note says so."""
+    factory = tmp_path / "net.py"
+    factory.write_text(
+        "import keras\n"
+        "def make():\n"
+        "    x = keras.Input((8,))\n"
+        "    model = keras.Model(x, keras.layers.Dense(4)(x))\n"
+        "    model.compile(optimizer='adam', loss='mse', jit_compile=True)\n"
+        "    return model\n"
+    )
+    built = resolve(f"keras:{factory}:make", Recipe(batch_size=4, optimizer="adam"))
+    assert any("torch.compile" in note and "XLA" not in note for note in built.notes)
+
+
 def test_custom_objects_are_refused_unless_allowed(tmp_path):
     config = {"module": "my_layers", "class_name": "Block", "config": {}}
     path = tmp_path / "custom.keras"
@@ -207,6 +225,12 @@ def test_tensorflow_preallocates_the_card_and_growth_takes_the_need(tmp_path):
     assert tf["peak_bytes"] < tf["needs_bytes"] - tf["runtime_bytes"] < 4 * tf["peak_bytes"]
     assert tf_growth["needs_bytes"] < tf["takes_bytes"] / 10
     assert any("preallocates" in note for note in default.notes)
+    # what is TensorFlow's and what is emulated, said where the figures are
+    assert any(note.startswith("TensorFlow emulated") for note in default.notes)
+    assert any("jit_compile='auto'" in note and "XLA" in note for note in default.notes)
+    console = Console(record=True, width=300)
+    render_estimate(default, console=console)
+    assert "Peak reserved (PyTorch's caching allocator)" in console.export_text()
     limited = Session(model, gpu="a100-40gb", framework="tensorflow", tf_memory_limit="1GiB")
     assert limited.estimate(batch_size=32).details["tensorflow"]["takes_bytes"] == (
         tf["runtime_bytes"] + 2**30

@@ -43,6 +43,19 @@ CUDNN_SCRATCH_LIMIT = 1 << 32
 """``TF_CUDNN_WORKSPACE_LIMIT_IN_MB``'s default (4 GiB; the code reads it in bytes)."""
 
 
+EMULATED = (
+    "TensorFlow emulated: the traced step's tensors replayed through TensorFlow's BFC "
+    "allocator (bfc_allocator.cc) under its memory limit (gpu_device.cc); the CUDA context "
+    "and cuBLAS workspaces are PyTorch's figures for this card, not TensorFlow's"
+)
+XLA = (
+    "on the TensorFlow backend model.compile's default jit_compile='auto' compiles the "
+    "train step with XLA on a GPU when every layer supports it (keras/src/trainers/"
+    "trainer.py _resolve_auto_jit_compile); XLA fuses ops and assigns its own buffers, "
+    "which this trace of the eager step (jit_compile=False) does not model"
+)
+
+
 def min_system_memory(available: int, cc_major: int) -> int:
     """``MinSystemMemory``: what TensorFlow leaves free of the memory free at start-up."""
     if available < 1 << 31:
@@ -81,7 +94,8 @@ class TensorflowMemory:
         lines = [
             f"TensorFlow ({self.policy}): the step needs {format_bytes(self.needs_bytes)} "
             f"(BFC peak in use {format_bytes(self.peak_bytes)}, as get_memory_info reports it); "
-            f"TensorFlow takes {format_bytes(self.takes_bytes)} of the card"
+            f"TensorFlow takes {format_bytes(self.takes_bytes)} of the card",
+            EMULATED,
         ]
         if self.policy == "preallocate":
             lines.append(
@@ -166,8 +180,9 @@ def with_tensorflow(estimate: Estimate, memory: TensorflowMemory) -> Estimate:
             memory.needs_bytes,
             allocator_oom=not memory.fits,
         )
+    keras = [XLA] if estimate.model.kind == "keras" else []
     return estimate.with_changes(
         verdict=verdict,
-        notes=(*estimate.notes, *memory.notes()),
+        notes=(*estimate.notes, *memory.notes(), *keras),
         details={**estimate.details, "tensorflow": memory.to_json()},
     )

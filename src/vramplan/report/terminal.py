@@ -129,13 +129,19 @@ def render_estimate(est: Estimate, units: Units = "binary", console: Console | N
     console.print(
         f"{label}: [bold]{fmt(peak.allocated_bytes)}[/bold] ({peak.allocated_bytes:,} bytes){when}"
     )
+    # under --framework tensorflow these two are PyTorch's runtime; TensorFlow's are in notes
+    pytorch = "PyTorch's " if "tensorflow" in est.details else ""
     if peak.reserved_bytes is not None:
         span = peak.reserved_range_bytes
         extra = f" (range {fmt(span[0])} – {fmt(span[1])})" if span else ""
-        console.print(f"Peak reserved (caching allocator): {fmt(peak.reserved_bytes)}{extra}")
+        console.print(
+            f"Peak reserved ({pytorch}caching allocator): {fmt(peak.reserved_bytes)}{extra}"
+        )
     if peak.device_total_bytes is not None:
         counter = est.details.get("used_counter")
         shows = f"{counter} 'used'" if counter else "what nvidia-smi shows"
+        if pytorch:
+            shows += " under PyTorch; TensorFlow's figures are in the notes"
         span = peak.device_total_range_bytes
         extra = ""
         if span:

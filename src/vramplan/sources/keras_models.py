@@ -257,6 +257,7 @@ def _from_file(keras, path: Path, allow_custom_objects: bool, policy: str | None
         if optimizer is not None:
             model._vramplan_optimizer = keras.optimizers.deserialize(optimizer)
         model._vramplan_loss = compile_config.get("loss")
+        model._vramplan_jit_compile = compile_config.get("jit_compile", "auto")
         return model
 
     return build
@@ -419,6 +420,15 @@ def build_keras(rest: str, recipe: Recipe, allow_custom_objects: bool = False) -
     return keras_source(keras, model, recipe, f"keras:{rest}")
 
 
+def _jit_compile(model) -> bool | str | None:
+    """The ``jit_compile`` the user gave ``model.compile`` (a file's compile config keeps
+    it, ``"auto"`` included; a model compiled here has it resolved for the torch backend,
+    where ``"auto"`` is eager); None: not compiled."""
+    if hasattr(model, "_vramplan_jit_compile"):
+        return model._vramplan_jit_compile
+    return getattr(model, "_jit_compile", None)
+
+
 def _all_layers(model) -> list:
     """Every Keras layer of ``model``, nested ones too (a functional model's layers are not
     torch submodules)."""
@@ -510,10 +520,12 @@ def keras_source(keras, model, recipe: Recipe, name: str) -> BuiltModel:
             "channels-last convolutions: the torch backend transposes each one's input and "
             "output to channels-first, and the trace counts those copies"
         )
-    if getattr(model, "jit_compile", False) is True:
+    if _jit_compile(model) is True:
         notes.append(
-            "jit_compile=True: XLA fuses ops and plans buffers itself; the traced step is "
-            "the eager one (an upper bound on XLA's temporaries)"
+            "jit_compile=True: on Keras's torch backend model.fit runs the step under "
+            "torch.compile with inductor (keras/src/backend/torch/trainer.py); the trace is "
+            "the eager step, and inductor's fused kernels (fewer intermediate tensors) are "
+            "not modelled"
         )
 
     def make_optimizer(params: list[nn.Parameter], recipe: Recipe) -> KerasOptimizer | None:
