@@ -342,7 +342,15 @@ def scales_loss(model) -> bool:
     compiled model holds is one, or (a model not compiled in memory, or read from a file
     whose compile config ``model.compile`` replays) the model's dtype policy is
     ``mixed_float16``, under which ``model.compile`` wraps the optimizer in one
-    (``auto_scale_loss=True``, keras/src/trainers/trainer.py ``compile``)."""
+    (``auto_scale_loss=True``, keras/src/trainers/trainer.py ``compile``).
+
+    >>> from types import SimpleNamespace as Model
+    >>> mixed = Model(name="mixed_float16")
+    >>> scales_loss(Model(optimizer=None, dtype_policy=mixed))
+    True
+    >>> scales_loss(Model(optimizer=Model(), dtype_policy=mixed))  # compiled: not wrapped
+    False
+    """
     compiled = getattr(model, "optimizer", None)
     if compiled is not None:
         return type(compiled).__name__ == "LossScaleOptimizer"
