@@ -514,8 +514,11 @@ def keras_source(keras, model, recipe: Recipe, name: str) -> BuiltModel:
     wanted = keras_optimizer_name(compiled)
     if recipe.is_training and compiled is not None and wanted != recipe.optimizer:
         hint = f"pass --optimizer {wanted}" if wanted else "no vramplan optimizer matches it"
+        chosen = type(compiled).__name__
+        if hasattr(compiled, "inner_optimizer"):
+            chosen += f"({type(compiled.inner_optimizer).__name__})"
         notes.append(
-            f"model.compile chose {type(compiled).__name__}; this estimate used --optimizer "
+            f"model.compile chose {chosen}; this estimate used --optimizer "
             f"{recipe.optimizer} ({hint})"
         )
     if isinstance(model, keras.Model) and type(model).__name__ in ("Functional", "Sequential"):
