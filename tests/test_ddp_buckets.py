@@ -57,6 +57,11 @@ def test_ddp_per_rank_adds_the_reducers_bucket_copy_of_the_trainable_gradients()
     assert rank.peak.allocated_bytes - single.peak.allocated_bytes == reported
     assert rank.components["gradients"] == single.components["gradients"] + reported
     assert any("DDP" in note for note in rank.notes)
+    # every phase as the single GPU holds it (a full replica; gradients that
+    # zero_grad(set_to_none=True) frees stay freed), plus the buckets
+    phases = single.details["phase_components"]
+    for phase, total in rank.details["parallel"]["phase_peaks"].items():
+        assert total == sum(phases[phase].values()) + reported
 
 
 @pytest.mark.parametrize(

@@ -190,6 +190,16 @@ def ddp_bucket_bytes(est: Estimate, layout: ParallelLayout) -> int:
     return max(components[Component.GRADIENTS] for components in phases.values())
 
 
+def _replica_states(components: dict[str, int], layout: ParallelLayout, gpu_states: int) -> int:
+    """The model states a rank holds in one phase: under plain data parallelism a full
+    replica's, the phase's own (gradients freed by ``zero_grad(set_to_none=True)`` stay
+    freed); under a sharding or model-parallel layout, ``gpu_states`` from the formulas."""
+    plain = layout.tensor_parallel == 1 and layout.pipeline_parallel == 1
+    if layout.shard == "none" and plain:
+        return sum(components[k] for k in STATES)
+    return gpu_states
+
+
 def _rank_components(
     components: dict[str, int],
     phase: Phase,
@@ -208,6 +218,7 @@ def _rank_components(
     the recomputed block's ``block_cast``; the optimizer step's temporaries (param-sized
     lists of a foreach step) follow the states each rank updates, and stay on the host
     when it is offloaded."""
+    gpu_states = _replica_states(components, layout, gpu_states)
     offloaded = Component.OPTIMIZER_STATE if layout.offload_optimizer else None
     kept = [k for k in STATES if k != offloaded]
     states = sum(components[k] for k in kept)
