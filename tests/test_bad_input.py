@@ -322,6 +322,7 @@ FLAGS = [
     ("boxes-zero", ["--boxes-per-image", "0"], "boxes per image must be a positive integer"),
     ("boxes-word", ["--boxes-per-image", "many"], "--boxes-per-image"),
     ("detection-counts", ["--detection-counts", "typical"], "unknown detection count policy"),
+    ("targets-on-gpu", ["--targets-on-gpu", "polygons"], "unknown targets on the GPU"),
     ("resolution-zero", ["--resolution", "0"], "resolution must be a positive integer"),
     ("frames-negative", ["--frames", "-2"], "frames must be a positive integer"),
     ("diffusion-encoders", ["--diffusion-encoders", "cached"], "unknown diffusion encoders"),

@@ -20,7 +20,7 @@ from vramplan.sources.data_dependent import CountMode, Ledger
 from vramplan.sources.detection import build_detection, detection_source
 
 torchvision = pytest.importorskip("torchvision")
-from torchvision.models.detection import MaskRCNN  # noqa: E402
+from torchvision.models.detection import FasterRCNN, MaskRCNN  # noqa: E402
 from torchvision.models.detection.anchor_utils import AnchorGenerator  # noqa: E402
 from torchvision.ops import MultiScaleRoIAlign  # noqa: E402
 
@@ -100,3 +100,38 @@ def test_a_torchvision_detection_model_builds_with_the_reference_backbone():
     assert frozen and all(n.startswith(("conv1", "layer1")) for n in frozen)
     bn = type(built.model.backbone.body.bn1).__name__
     assert bn == "FrozenBatchNorm2d"
+
+
+def _faster(recipe: Recipe, device: str = "meta"):
+    with torch.device(device):
+        backbone = nn.Sequential(
+            nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, 2, 1)
+        )
+        backbone.out_channels = 32
+        model = FasterRCNN(
+            backbone,
+            num_classes=5,
+            min_size=SIZE,
+            max_size=SIZE * 2,
+            rpn_anchor_generator=AnchorGenerator(((16, 32),), ((0.5, 1.0, 2.0),)),
+            box_roi_pool=MultiScaleRoIAlign(["0"], 7, 2),
+            rpn_pre_nms_top_n_train=300,
+            rpn_post_nms_top_n_train=200,
+            box_batch_size_per_image=128,
+            representation_size=64,
+        )
+    return detection_source(model, "tiny-faster-rcnn", recipe)
+
+
+def test_masks_in_every_target_are_held_through_the_step_as_a_real_step_holds_them():
+    """torchvision's reference scripts give every model a mask per box (their COCO loader
+    converts each polygon); the masks ride in the batch and the transform resizes them."""
+    plain = RECIPE.with_changes(batch_size=1, boxes_per_image=6)
+    masked = plain.with_changes(targets_on_gpu="masks")
+    without = estimate_built(_faster(plain), plain, target="cpu")
+    traced = estimate_built(_faster(masked), masked, target="cpu")
+    one_mask_set = math.ceil(6 * SIZE * SIZE / 512) * 512  # uint8, the allocator's rounding
+    assert traced.components["inputs"] - without.components["inputs"] == one_mask_set
+    assert any("--targets-on-gpu masks" in note for note in traced.notes)
+    real = measure_built(_faster(masked, "cpu"), masked, "cpu", steps=2).allocated_bytes
+    assert traced.peak.allocated_bytes == pytest.approx(real, rel=0.03)

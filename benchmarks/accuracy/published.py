@@ -15,6 +15,9 @@ The ``stack`` column names the software stack a row was measured on (``--stack``
 it changes the step: autograd before PyTorch 1.8 kept both operands of mul/div
 (``trace/legacy_saving.py``), and optimizers before 2.0 looped per parameter.
 
+A ``dp=N`` knob runs the row as one rank of N-GPU plain data parallelism (PyTorch's
+DDP: the reducer's gradient buckets, ``distributed/layout.py``), as the model zoos train.
+
 The GPUMemNet rows (48-51, 54, 55, 1000-1002) use row 1003, the same setup's measured
 floor (a one-neuron MLP: context, cuBLAS kernels, driver reserve; no cuDNN), as their
 profile, as the BERT rows use their measured context.
@@ -31,6 +34,8 @@ from pathlib import Path
 from vramplan.device.options import device_options
 from vramplan.device.profile import DeviceProfile
 from vramplan.device.runtime import driver_reserved_bytes
+from vramplan.distributed.facts import facts_of
+from vramplan.distributed.layout import ParallelLayout, per_rank
 from vramplan.errors import UserError
 from vramplan.pipeline import estimate_built
 from vramplan.recipe import Recipe, parse_shape
@@ -87,6 +92,8 @@ def knobs(text: str) -> dict:
 
 def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
     """The estimate of the row's metric, and its [low, high] range (device-level rows)."""
+    extra = knobs(row.get("knobs") or "")
+    layout = ParallelLayout(data_parallel=extra.pop("dp", 1))
     recipe = Recipe(
         batch_size=int(row["batch_size"]),
         seq_len=int(row["seq_len"]) if row["seq_len"] else None,
@@ -97,12 +104,15 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
         grad_accum=int(row["grad_accum"]),
         optimizer_impl=row.get("optimizer_impl") or "auto",
         attention=row.get("attention") or None,
-        **knobs(row.get("knobs") or ""),
+        **extra,
     )
     counter = row.get("used_counter") or "nvml-v1"
     options = device_options(gpu=row["gpu"], used_counter=counter, stack=row.get("stack") or None)
     options = replace(options, profile=_profile(row, options.gpu, counter))
-    estimate = estimate_built(resolve(row["model"], recipe), recipe, "cuda", options)
+    built = resolve(row["model"], recipe)
+    estimate = estimate_built(built, recipe, "cuda", options)
+    if layout != ParallelLayout():
+        estimate = per_rank(estimate, layout, facts_of(built))
     if row["metric"] == "allocated":
         return estimate.peak.allocated_bytes, None
     if row["metric"] == "reserved":

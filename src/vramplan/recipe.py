@@ -116,6 +116,9 @@ class Recipe:
     # Vision tasks (sources/detection.py): targets per image and the data-dependent counts.
     boxes_per_image: int = 20
     detection_counts: str = "max"
+    # detection: the targets on the GPU beyond what the model needs ("masks": a mask per
+    # box in every target, as torchvision's reference scripts load COCO)
+    targets_on_gpu: str = "model"
     resolution: int | None = None  # diffusion (sources/diffusion.py): image side in pixels
     frames: int | None = None  # video (sources/vision.py): frames per clip
     # diffusion: VAE latents and text states precomputed, or the frozen encoders in the step
@@ -464,11 +467,13 @@ def _check_generation(recipe: Recipe) -> None:
 VISION_DEFAULTS = {
     "boxes_per_image": 20,
     "detection_counts": "max",
+    "targets_on_gpu": "model",
     "resolution": None,
     "frames": None,
     "diffusion_encoders": "precomputed",
 }
 DETECTION_COUNTS = ("max", "min")
+TARGETS_ON_GPU = ("model", "masks")
 DIFFUSION_ENCODERS = ("precomputed", "frozen")
 
 
@@ -485,6 +490,8 @@ def _check_vision(recipe: Recipe) -> None:
             raise UserError(f"{name} must be a positive integer, got {value}")
     counts = _choice(recipe.detection_counts, DETECTION_COUNTS, "detection count policy")
     object.__setattr__(recipe, "detection_counts", counts)
+    targets = _choice(recipe.targets_on_gpu, TARGETS_ON_GPU, "targets on the GPU")
+    object.__setattr__(recipe, "targets_on_gpu", targets)
     encoders = _choice(recipe.diffusion_encoders, DIFFUSION_ENCODERS, "diffusion encoders")
     object.__setattr__(recipe, "diffusion_encoders", encoders)
 

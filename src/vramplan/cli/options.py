@@ -552,6 +552,15 @@ DetectionCountsOpt = Annotated[
         "everything, samplers reach their caps) | min (each ground-truth box matched once).",
     ),
 ]
+TargetsOnGpuOpt = Annotated[
+    str,
+    typer.Option(
+        "--targets-on-gpu",
+        help="Detection: model (the targets the model reads: boxes, labels, and masks or "
+        "keypoints for the models with those heads) | masks (a mask per box in every "
+        "target, as torchvision's reference scripts load COCO for every model).",
+    ),
+]
 
 ResolutionOpt = Annotated[
     int | None,
@@ -579,6 +588,7 @@ DiffusionEncodersOpt = Annotated[
 VISION_OPTIONS = (
     "boxes_per_image",
     "detection_counts",
+    "targets_on_gpu",
     "resolution",
     "frames",
     "diffusion_encoders",

@@ -169,6 +169,37 @@ def _cast_copies(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> tu
     return saved, total - saved
 
 
+def ddp_bucket_bytes(est: Estimate, layout: ParallelLayout) -> int:
+    """The gradient buckets of PyTorch's DistributedDataParallel on each rank: a flat copy
+    of every trainable gradient, allocated when DDP wraps the model and kept for the run.
+
+    The reducer (``torch/csrc/distributed/c10d/reducer.cpp``, since PyTorch 1.1) gives
+    each bucket its own ``at::empty`` of the bucket's summed length; gradients are copied
+    into it for the all-reduce and back. Only ``gradient_as_bucket_view=True`` (PyTorch
+    1.7+, off by default) makes the gradients views of the buckets instead. Pure data
+    parallelism only: with tensor or pipeline parallelism, or a sharded engine, the
+    engine's own buffers apply.
+
+    The size is the trainable gradients the trace holds (their largest phase).
+    """
+    if layout.shard != "none" or layout.data_parallel < 2:
+        return 0
+    if layout.tensor_parallel > 1 or layout.pipeline_parallel > 1:
+        return 0
+    phases = est.details.get("phase_components") or {est.peak.phase: est.components}
+    return max(components[Component.GRADIENTS] for components in phases.values())
+
+
+def _replica_states(components: dict[str, int], layout: ParallelLayout, gpu_states: int) -> int:
+    """The model states a rank holds in one phase: under plain data parallelism a full
+    replica's, the phase's own (gradients freed by ``zero_grad(set_to_none=True)`` stay
+    freed); under a sharding or model-parallel layout, ``gpu_states`` from the formulas."""
+    plain = layout.tensor_parallel == 1 and layout.pipeline_parallel == 1
+    if layout.shard == "none" and plain:
+        return sum(components[k] for k in STATES)
+    return gpu_states
+
+
 def _rank_components(
     components: dict[str, int],
     phase: Phase,
@@ -177,14 +208,17 @@ def _rank_components(
     buckets: int,
     cast: tuple[int, int],
     block_cast: int,
+    ddp_buckets: int = 0,
 ) -> dict[str, int]:
     """One phase's peak components as a rank holds them: model states by the sharding
-    formulas (with the optimizer offloaded, a rank keeps parameters and gradients only);
-    activations, inputs and forward/backward temporaries by the layout's share, less the
-    autocast weight copies ``cast`` (saved, held) that a sharded engine does not make —
-    in backward only the recomputed block's ``block_cast``; the optimizer step's
-    temporaries (param-sized lists of a foreach step) follow the states each rank
-    updates, and stay on the host when it is offloaded."""
+    formulas (with the optimizer offloaded, a rank keeps parameters and gradients only),
+    and DDP's gradient buckets ``ddp_buckets`` with the gradients; activations, inputs
+    and forward/backward temporaries by the layout's share, less the autocast weight
+    copies ``cast`` (saved, held) that a sharded engine does not make — in backward only
+    the recomputed block's ``block_cast``; the optimizer step's temporaries (param-sized
+    lists of a foreach step) follow the states each rank updates, and stay on the host
+    when it is offloaded."""
+    gpu_states = _replica_states(components, layout, gpu_states)
     offloaded = Component.OPTIMIZER_STATE if layout.offload_optimizer else None
     kept = [k for k in STATES if k != offloaded]
     states = sum(components[k] for k in kept)
@@ -196,6 +230,7 @@ def _rank_components(
             rank[name] = int(gpu_states * components[name] / states)
     else:
         rank[Component.PARAMETERS] = gpu_states
+    rank[Component.GRADIENTS] += ddp_buckets
     share = _activation_share(layout)
     cast_saved, cast_held = cast if phase != Phase.OPTIMIZER else (0, 0)
     if phase == Phase.BACKWARD and cast_held:
@@ -232,8 +267,11 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
     phases = est.details.get("phase_components") or {est.peak.phase: est.components}
     cast = _cast_copies(est, layout, facts)
     block_cast = 2 * facts.largest_block_parameters if cast != (0, 0) else 0
+    ddp = ddp_bucket_bytes(est, layout)
     candidates = {
-        phase: _rank_components(components, phase, layout, gpu_states, buckets, cast, block_cast)
+        phase: _rank_components(
+            components, phase, layout, gpu_states, buckets, cast, block_cast, ddp
+        )
         for phase, components in phases.items()
         if phase != Phase.SETUP
     }
@@ -255,6 +293,7 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
         "model_state_bytes_per_gpu": gpu_states,
         "host_state_bytes": host_states,
         "bucket_bytes": buckets,
+        "ddp_bucket_bytes": ddp,
         "activation_share": round(_activation_share(layout), 4),
         "phase_peaks": {p: sum(c.values()) for p, c in candidates.items()},
     }
@@ -264,6 +303,12 @@ def per_rank(est: Estimate, layout: ParallelLayout, facts: ModelFacts) -> Estima
         "sharding formulas, activations from the single-GPU trace scaled by the layout "
         "(DeepSpeed, and FSDP with TP/PP, are not traced themselves)",
     )
+    if ddp:
+        notes = (
+            *notes,
+            "DDP: the reducer's gradient buckets hold a second copy of every trainable "
+            "gradient (gradient_as_bucket_view off, the default), counted with the gradients",
+        )
     # the single-GPU range's widths carry over; the verdict reads the job's own memory
     # (the driver reserve an nvml-v1 total counts is outside the usable capacity)
     counted = (

@@ -2,7 +2,8 @@
 
 The batch is what torchvision's reference scripts (``references/detection/train.py``)
 hand the model: a list of images and a list of targets (``boxes``, ``labels``, ``masks``
-at image size for Mask R-CNN, ``keypoints`` for Keypoint R-CNN); the model's own
+at image size for Mask R-CNN, or for every model with ``--targets-on-gpu masks`` as the
+reference scripts' COCO loader makes them, ``keypoints`` for Keypoint R-CNN); the model's own
 ``GeneralizedRCNNTransform`` (or SSD's) resizes them to ``min_size``/``max_size`` and pads
 the batch to the largest image, rounded up to a multiple of 32. The loss is the sum of
 the model's loss dict. The data-dependent steps run under a ``CountPolicy``
@@ -167,7 +168,8 @@ def detection_source(
     shapes = _image_shapes(recipe, default, image_sizes)
     classes = _classes(model)
     keypoints = getattr(getattr(model, "roi_heads", None), "keypoint_predictor", None)
-    with_masks = getattr(getattr(model, "roi_heads", None), "mask_predictor", None) is not None
+    mask_head = getattr(getattr(model, "roi_heads", None), "mask_predictor", None) is not None
+    with_masks = mask_head or recipe.targets_on_gpu == "masks"
     boxes = recipe.boxes_per_image
 
     def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
@@ -198,6 +200,11 @@ def detection_source(
         return sum(losses.values())
 
     notes = [policy.note(), f"{boxes} ground-truth boxes per image (--boxes-per-image)"]
+    if with_masks and not mask_head:
+        notes.append(
+            "a uint8 mask per box in every target (--targets-on-gpu masks), resized with its "
+            "image by the model's transform and held through the step"
+        )
     return BuiltModel(
         name=name,
         architecture=type(model).__name__,
