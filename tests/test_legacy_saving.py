@@ -8,6 +8,7 @@ the tensors the old rule adds (exact arithmetic).
 from __future__ import annotations
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torchvision.ops import FrozenBatchNorm2d
 
@@ -124,3 +125,21 @@ def test_an_old_stack_traces_the_frozen_batch_norm_inputs():
     feature_map = BATCH * CHANNELS * SIDE * SIDE * 4
     kept = Component.ACTIVATIONS
     assert old.components[kept] - new.components[kept] == feature_map
+
+
+def test_a_checkpointed_block_recomputes_under_the_old_rule():
+    """Non-reentrant checkpointing checks that the recomputation saves what the forward
+    saved: the rule must hold in backward too (it crashed when it was a function mode)."""
+    x = torch.randn(4, 5, requires_grad=True)
+    scale = torch.rand(1, 5) + 1.0
+    layer = nn.Linear(5, 5)
+
+    def block(t):
+        return layer(t) * scale
+
+    with saving_every_operand():
+        torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum().backward()
+    grad_old = x.grad.clone()
+    x.grad = None
+    block(x).sum().backward()
+    torch.testing.assert_close(grad_old, x.grad)

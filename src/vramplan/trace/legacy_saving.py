@@ -10,7 +10,8 @@ derivative formulas name whenever any input required a gradient. A FrozenBatchNo
 
 While tracing for such a stack, ``saving_every_operand`` routes an out-of-place ``mul``
 or ``div`` of two tensors, exactly one of which requires a gradient, through a function
-that saves both and computes only the gradient asked for:
+that saves both and computes only the gradient asked for (replacing ``torch.mul``,
+``torch.div`` and their ``torch.Tensor`` spellings for the block, ``patching.py``):
 
 >>> x = torch.ones(2, 3, requires_grad=True)
 >>> scale = torch.full((1, 3), 2.0)
@@ -24,17 +25,27 @@ that saves both and computes only the gradient asked for:
 
 from __future__ import annotations
 
-import torch
-from torch.overrides import TorchFunctionMode
+from collections.abc import Callable
 
-_MUL = (torch.mul, torch.Tensor.mul, torch.Tensor.__mul__, torch.Tensor.__rmul__)
-_DIV = (
-    torch.div,
-    torch.true_divide,
-    torch.Tensor.div,
-    torch.Tensor.true_divide,
-    torch.Tensor.__truediv__,
+import torch
+
+from vramplan.trace.patching import patched
+
+_MUL = (
+    (torch, "mul"),
+    (torch.Tensor, "mul"),
+    (torch.Tensor, "__mul__"),
+    (torch.Tensor, "__rmul__"),
 )
+_DIV = (
+    (torch, "div"),
+    (torch, "true_divide"),
+    (torch.Tensor, "div"),
+    (torch.Tensor, "true_divide"),
+    (torch.Tensor, "__truediv__"),
+)
+_ORIGINALS = {place: getattr(*place) for place in _MUL + _DIV}
+_TORCH_MUL, _TORCH_DIV = torch.mul, torch.div
 
 
 def _reduced(grad: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -46,7 +57,7 @@ class _MulSavingBoth(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
         ctx.save_for_backward(a, b)
-        return torch.mul(a, b)
+        return _TORCH_MUL(a, b)
 
     @staticmethod
     def backward(ctx, grad):
@@ -60,7 +71,7 @@ class _DivSavingBoth(torch.autograd.Function):
     @staticmethod
     def forward(ctx, a, b):
         ctx.save_for_backward(a, b)
-        return torch.div(a, b)
+        return _TORCH_DIV(a, b)
 
     @staticmethod
     def backward(ctx, grad):
@@ -81,13 +92,18 @@ def _one_requires_grad(args: tuple, kwargs: dict | None) -> bool:
     return a.requires_grad != b.requires_grad
 
 
-class saving_every_operand(TorchFunctionMode):  # noqa: N801 (used as a context manager)
-    """Trace ``mul``/``div`` as autograd before PyTorch 1.8 saved them (module docstring)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+def _saving_both(original: Callable, function: type[torch.autograd.Function]) -> Callable:
+    def run(*args, **kwargs):
         if _one_requires_grad(args, kwargs):
-            if func in _MUL:
-                return _MulSavingBoth.apply(*args)
-            if func in _DIV:
-                return _DivSavingBoth.apply(*args)
-        return func(*args, **(kwargs or {}))
+            return function.apply(*args)
+        return original(*args, **kwargs)
+
+    return run
+
+
+def saving_every_operand():
+    """Trace ``mul``/``div`` as autograd before PyTorch 1.8 saved them (module docstring)."""
+    return patched(
+        (*place, _saving_both(original, _MulSavingBoth if place in _MUL else _DivSavingBoth))
+        for place, original in _ORIGINALS.items()
+    )
