@@ -39,6 +39,7 @@ def cuda_dropout() -> Iterator[None]:
     """Route out-of-place training ``_VF.dropout`` calls to ``native_dropout``, as CUDA's
     ``at::dropout`` does."""
     original = _VF.dropout
+    enclosing = vars(_VF).get("dropout")  # an enclosing block's patch, if any
 
     def dropout(input, p, train):
         if fused_on_cuda(input, p, train):
@@ -49,4 +50,7 @@ def cuda_dropout() -> Iterator[None]:
     try:
         yield
     finally:
-        del _VF.dropout  # back to the module's own lookup of the C function
+        if enclosing is not None:
+            _VF.dropout = enclosing
+        else:
+            del _VF.dropout  # back to the module's own lookup of the C function

@@ -73,16 +73,19 @@ def keeping_softmax_input() -> Iterator[None]:
     ``F.softmax`` and ``F.log_softmax`` call are patched for the block (not a
     ``TorchFunctionMode``: a mode steps aside while it handles ``backward()``, where a
     checkpoint recomputes its forward)."""
-    functions = {name: getattr(torch, name) for name in ("softmax", "log_softmax")}
-    methods = {name: getattr(torch.Tensor, name) for name in ("softmax", "log_softmax")}
-    for name, original in functions.items():
-        setattr(torch, name, _keeping(original, name == "log_softmax"))
-    for name, original in methods.items():
-        setattr(torch.Tensor, name, _keeping(original, name == "log_softmax"))
+    names = ("softmax", "log_softmax")
+    functions = {name: getattr(torch, name) for name in names}
+    methods = {name: getattr(torch.Tensor, name) for name in names}
+    own = {name: torch.Tensor.__dict__[name] for name in names if name in torch.Tensor.__dict__}
+    for name in names:
+        setattr(torch, name, _keeping(functions[name], name == "log_softmax"))
+        setattr(torch.Tensor, name, _keeping(methods[name], name == "log_softmax"))
     try:
         yield
     finally:
-        for name, original in functions.items():
-            setattr(torch, name, original)
-        for name in methods:
-            delattr(torch.Tensor, name)  # back to TensorBase's own method
+        for name in names:
+            setattr(torch, name, functions[name])
+            if name in own:  # an enclosing block's patch
+                setattr(torch.Tensor, name, own[name])
+            else:
+                delattr(torch.Tensor, name)  # back to TensorBase's own method
