@@ -13,7 +13,9 @@ report whether the measurement lies in vramplan's [low, high] range.
 
 The ``stack`` column names the software stack a row was measured on (``--stack``), where
 it changes the step: autograd before PyTorch 1.8 kept both operands of mul/div
-(``trace/legacy_saving.py``), and optimizers before 2.0 looped per parameter.
+(``trace/legacy_saving.py``), before 1.11 softmax's input (``trace/legacy_softmax.py``),
+and optimizers before 2.0 looped per parameter. The 2022 BERT rows also name
+``additive_mask`` (transformers 4.15 always added its attention mask to the scores).
 
 The GPUMemNet rows (48-51, 54, 55, 1000-1002) use row 1003, the same setup's measured
 floor (a one-neuron MLP: context, cuBLAS kernels, driver reserve; no cuDNN), as their
