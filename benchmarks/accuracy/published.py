@@ -13,7 +13,9 @@ report whether the measurement lies in vramplan's [low, high] range.
 
 The ``stack`` column names the software stack a row was measured on (``--stack``), where
 it changes the step: autograd before PyTorch 1.8 kept both operands of mul/div
-(``trace/legacy_saving.py``), and optimizers before 2.0 looped per parameter.
+(``trace/legacy_saving.py``), before 1.11 softmax's input (``trace/legacy_softmax.py``),
+and optimizers before 2.0 looped per parameter. The 2022 BERT rows also name
+``additive_mask`` (transformers 4.15 always added its attention mask to the scores).
 
 A ``dp=N`` knob runs the row as one rank of N-GPU plain data parallelism (PyTorch's
 DDP: the reducer's gradient buckets, ``distributed/layout.py``), as the model zoos train.
@@ -77,6 +79,7 @@ def knobs(text: str) -> dict:
         "activation_offload",
         "fused_ce",
         "loss_shift_copy",
+        "additive_mask",
     )
     found: dict = {}
     for pair in text.split():

@@ -109,6 +109,7 @@ def _policy(target: str, device: DeviceOptions) -> DevicePolicy:
         software.foreach_default,
         software.zero_grad_frees,
         software.saves_every_operand,
+        software.softmax_keeps_input,
     )
 
 
@@ -122,7 +123,8 @@ def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any 
             raise UserError("--mode generate is traced on one GPU (no --fsdp)")
         return trace_generation(built, recipe, policy)
     if engine is None and built.repeat_blocks:
-        kind = (type(policy), policy.name, vars(policy).get("arch"), vars(policy).get("foreach"))
+        rules = ("arch", "foreach", "frees_grads", "saves_every_operand", "softmax_keeps_input")
+        kind = (type(policy), policy.name, *(vars(policy).get(rule) for rule in rules))
         trace, note = repeat_built(built, recipe, lambda b, r: _trace_counted(b, r, policy), kind)
         if trace is not None:
             return replace(trace, notes=(*trace.notes, note))

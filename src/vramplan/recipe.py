@@ -142,10 +142,11 @@ class Recipe:
     zero_grad: str = "auto"
     # How a framework stores and casts (trace/step.py, sources/loss.py): Hugging Face's
     # torch_dtype under bf16=True autocast, fp32 islands (peft adapters, TRL's norms),
-    # transformers < 4.49's loss.
+    # transformers < 4.49's loss; transformers 4.x encoders' always-added attention mask.
     weights_dtype: str | None = None
     keep_fp32: str | None = None
     loss_shift_copy: bool = False
+    additive_mask: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -580,10 +581,15 @@ def _check_tricks(recipe: Recipe) -> None:
         )
 
 
-# -- storage habits of frameworks (weights_dtype, keep_fp32, loss_shift_copy) ---------------
+# -- storage habits of frameworks (weights_dtype, keep_fp32, loss_shift_copy, additive_mask) -
 
 STORAGE_DTYPES = {"bf16": "bfloat16", "fp16": "float16"}
-STORAGE_DEFAULTS = {"weights_dtype": None, "keep_fp32": None, "loss_shift_copy": False}
+STORAGE_DEFAULTS = {
+    "weights_dtype": None,
+    "keep_fp32": None,
+    "loss_shift_copy": False,
+    "additive_mask": False,
+}
 
 
 def _check_storage(recipe: Recipe) -> None:

@@ -470,7 +470,15 @@ LossShiftCopyOpt = Annotated[
         help="Causal LMs: transformers < 4.49's loss (an fp32 copy of the shifted logits).",
     ),
 ]
-STORAGE_OPTIONS = ("weights_dtype", "keep_fp32", "loss_shift_copy")
+AdditiveMaskOpt = Annotated[
+    bool,
+    typer.Option(
+        "--additive-mask",
+        help="Hugging Face encoders: transformers 4.x's attention mask (4.15 checked), built "
+        "even for a batch without one and added to the scores in the weights' dtype.",
+    ),
+]
+STORAGE_OPTIONS = ("weights_dtype", "keep_fp32", "loss_shift_copy", "additive_mask")
 
 
 TimeoutOpt = Annotated[

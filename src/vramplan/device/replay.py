@@ -14,6 +14,7 @@ from vramplan.device.catalog import GpuSpec
 from vramplan.device.cudnn import ConvCase, Workspace, cases_of, engine_workspace
 from vramplan.device.measured import MeasuredTable, measured_for
 from vramplan.device.options import DeviceOptions
+from vramplan.device.orders import legal_orders
 from vramplan.device.runtime import (
     cublas_workspace_bytes,
     cublaslt_workspace_bytes,
@@ -246,7 +247,21 @@ def _replays(trace: Trace, options: DeviceOptions, config: AllocatorConfig, usab
     return runs
 
 
-def _range(runs: dict[str, _Run], counted_reserve: int) -> tuple[list[int], list[int], dict]:
+def order_excess(central: _Run, config: AllocatorConfig, usable: int, late_state: bool) -> int:
+    """How far above the central replay's reserved peak the step's other legal orders
+    reach (``device.orders``: more iterations; with ``late_state``, the optimizer state
+    created one step late): the high side of the fragmentation term, never below 0."""
+    free = usable - central.outside.total
+    peaks = [
+        replay(requests, config, device_free=free).stats.peak_reserved
+        for requests in legal_orders(central.on_device, late_state).values()
+    ]
+    return max([0, *(peak - central.reserved for peak in peaks)])
+
+
+def _range(
+    runs: dict[str, _Run], counted_reserve: int, order_high: int = 0
+) -> tuple[list[int], list[int], dict]:
     """[low, high] of reserved and device total, and each unknown's share of the width."""
     central, low, high = runs["central"], runs["low"], runs["high"]
     reserved = [min(low.reserved, central.reserved), max(high.reserved, central.reserved)]
@@ -257,10 +272,11 @@ def _range(runs: dict[str, _Run], counted_reserve: int) -> tuple[list[int], list
     packed = packed_reserved(low.result.stats.peak_allocated) - min(low.reserved, central.reserved)
     terms = {
         "cudnn_workspace": [reserved[0] - central.reserved, reserved[1] - central.reserved],
-        "fragmentation": [min(0, packed), 0],
+        "fragmentation": [min(0, packed), order_high],
         "floor": [outside[0] - central.outside.total, outside[1] - central.outside.total],
     }
     reserved[0] += terms["fragmentation"][0]
+    reserved[1] += terms["fragmentation"][1]
     total = [reserved[0] + outside[0] + counted_reserve, reserved[1] + outside[1] + counted_reserve]
     widest = max(terms, key=lambda k: terms[k][1] - terms[k][0])
     if terms[widest][1] == terms[widest][0]:
@@ -283,7 +299,7 @@ PAGE = 2 * 2**20
 
 SETTLES = {
     "cudnn_workspace": "which cuDNN engines the convolutions pick (their workspaces)",
-    "fragmentation": "how the caching allocator's segments pack the live blocks",
+    "fragmentation": "how the caching allocator's segments pack the live blocks over many steps",
     "floor": "the CUDA context and the kernels cuBLAS/cuDNN load on this card and stack",
 }
 
@@ -337,7 +353,9 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
         if not oom:
             job_total = limited.stats.peak_reserved + outside.total
             reserved, fragmentation = limited.stats.peak_reserved, limited.fragmentation
-    reserved_range, total_range, widths = _range(runs, counted_reserve)
+    late_state = estimate.recipe.is_training and estimate.recipe.precision == "amp-fp16"
+    order_high = order_excess(central, config, usable, late_state)
+    reserved_range, total_range, widths = _range(runs, counted_reserve, order_high)
     reserved_range = [min(reserved_range[0], reserved), max(reserved_range[1], reserved)]
     total_range = [
         min(total_range[0], job_total + counted_reserve),
@@ -373,7 +391,8 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
     if older_than_traced(stack):
         notes.append(
             f"stack {stack.slug} is older than the PyTorch traced ({default_stack().slug}): "
-            "its zero_grad, optimizer and module-loading defaults are modelled, other "
+            "its zero_grad, optimizer and module-loading defaults and autograd's saving "
+            "rules (mul/div before 1.8, softmax before 1.11) are modelled, other "
             "operator changes between them are not in the range"
         )
     notes.append(

@@ -88,6 +88,19 @@ class Stack:
         rule = runtime_table()["autograd_saving"]
         return _version(self.torch) < _version(rule["guarded_from_torch"])
 
+    @property
+    def softmax_keeps_input(self) -> bool:
+        """Whether autograd kept a softmax's input as well as its output (before PyTorch
+        1.11; ``trace/legacy_softmax.py``).
+
+        >>> parse_stack("torch1.10-cu11.2").softmax_keeps_input
+        True
+        >>> parse_stack("torch1.11-cu11.3").softmax_keeps_input
+        False
+        """
+        rule = runtime_table()["softmax_saving"]
+        return _version(self.torch) < _version(rule["input_dropped_from_torch"])
+
 
 def older_than_traced(stack: Stack) -> bool:
     """Whether ``stack`` emulates a PyTorch older than the installed one, whose operators

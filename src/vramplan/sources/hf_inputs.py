@@ -190,10 +190,39 @@ def _fixed_image(recipe: Recipe, label: str) -> None:
         )
 
 
+ENCODER_KINDS = ("masked-lm", "sequence-classification")
+
+
+def extended_mask(batch_size: int, seq_len: int, dtype: torch.dtype) -> torch.Tensor:
+    """The additive attention mask transformers 4.x's encoders built when the batch had
+    none: ``BertModel.forward`` made ``attention_mask = torch.ones(batch, seq)`` and
+    ``get_extended_attention_mask`` turned it into ``(1 - mask[:, None, None, :]) *
+    -10000`` cast to the parameters' dtype, which every layer adds to its scores
+    (4.15.0's ``modeling_bert.py`` and ``modeling_utils.py``, read from its wheel:
+    benchmarks/results/2026-11-23-device-rows.md). transformers 5.23 skips a missing or
+    all-ones mask, so the scores keep the matmul's dtype; a 4D float mask it adds as
+    given, which this is.
+
+    >>> extended_mask(2, 8, torch.float32).shape
+    torch.Size([2, 1, 1, 8])
+    """
+    return torch.zeros(batch_size, 1, 1, seq_len, dtype=dtype)
+
+
 def _text(config, kind: str, recipe: Recipe, label: str) -> ExampleInputs:
     seq_len = text_length(config, recipe, label)
     target = seq_len
     notes = []
+    if recipe.additive_mask:
+        if kind not in ENCODER_KINDS:
+            raise UserError(
+                f"--additive-mask: {label} is a {kind} model; the mask is the encoders' "
+                f"({', '.join(ENCODER_KINDS)})"
+            )
+        notes.append(
+            "attention mask as transformers 4.x built it: always added to the scores, in "
+            "the weights' dtype (--additive-mask)"
+        )
     if kind == "seq2seq":
         target = _decoder_length(recipe, seq_len, None, label)
         if recipe.target_len is None:
@@ -208,7 +237,10 @@ def _text(config, kind: str, recipe: Recipe, label: str) -> ExampleInputs:
             labels = torch.randint(0, vocab, (batch_size, target))
         else:
             labels = ids
-        return {"input_ids": ids, "labels": labels}
+        batch = {"input_ids": ids, "labels": labels}
+        if recipe.additive_mask:
+            batch["attention_mask"] = extended_mask(batch_size, seq_len, dtype)
+        return batch
 
     return ExampleInputs((seq_len,), make_batch, sequence=True, notes=notes)
 

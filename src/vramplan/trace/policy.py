@@ -71,12 +71,14 @@ class CudaPolicy(CpuPolicy):
     """What a CUDA GPU does differently: CUDA's autocast op lists and weight-cast cache,
     foreach optimizers by default (``foreach``: PyTorch >= 2.0; a per-parameter loop before),
     the optimizer's ``step`` counters kept on the host; with ``saves_every_operand``
-    (PyTorch before 1.8), autograd's old saving rule for mul/div (``legacy_saving.py``).
+    (PyTorch before 1.8), autograd's old saving rule for mul/div (``legacy_saving.py``);
+    with ``softmax_keeps_input`` (before 1.11), softmax's (``legacy_softmax.py``).
     ``arch`` names the GPU architecture. One policy serves one traced run.
 
     ``F.scaled_dot_product_attention`` runs the kernel the GPU would pick (cuDNN, flash,
-    memory-efficient or math; ``cuda_sdpa.py``), not the CPU's choice, and LSTMs keep per-step
-    gate state as on CUDA (``cuda_rnn.py``)."""
+    memory-efficient or math; ``cuda_sdpa.py``), not the CPU's choice, LSTMs keep per-step
+    gate state as on CUDA (``cuda_rnn.py``), and dropout keeps CUDA's 1-byte mask
+    (``cuda_dropout.py``)."""
 
     name = "cuda"
 
@@ -86,11 +88,13 @@ class CudaPolicy(CpuPolicy):
         foreach: bool = True,
         frees_grads: bool = True,
         saves_every_operand: bool = False,
+        softmax_keeps_input: bool = False,
     ) -> None:
         self.arch = arch
         self.foreach = foreach
         self.frees_grads = frees_grads
         self.saves_every_operand = saves_every_operand
+        self.softmax_keeps_input = softmax_keeps_input
         self._caster = None
         self._kernels: dict[str, int] = {}
 
@@ -103,15 +107,20 @@ class CudaPolicy(CpuPolicy):
 
     def dispatch_modes(self, recipe: Recipe) -> list:
         from vramplan.trace.cuda_autocast import cuda_rules
+        from vramplan.trace.cuda_dropout import cuda_dropout
         from vramplan.trace.cuda_rnn import cuda_lstm
         from vramplan.trace.cuda_sdpa import cuda_sdpa
 
         self._kernels = {}
-        modes = [cuda_sdpa(self.arch, self._kernels), cuda_lstm(self._kernels)]
+        modes = [cuda_sdpa(self.arch, self._kernels), cuda_lstm(self._kernels), cuda_dropout()]
         if self.saves_every_operand:
             from vramplan.trace.legacy_saving import saving_every_operand
 
             modes.append(saving_every_operand())
+        if self.softmax_keeps_input:
+            from vramplan.trace.legacy_softmax import keeping_softmax_input
+
+            modes.append(keeping_softmax_input())
         return modes + ([cuda_rules(self._caster_for(recipe))] if recipe.uses_autocast else [])
 
     def trace_notes(self) -> list[str]:
@@ -122,6 +131,8 @@ class CudaPolicy(CpuPolicy):
                 "autograd as before PyTorch 1.8: mul/div keep both operands whenever one "
                 "requires a gradient (a FrozenBatchNorm2d keeps its input)"
             )
+        if self.softmax_keeps_input:
+            notes.append("autograd as before PyTorch 1.11: softmax keeps its input too")
         lstm = calls.pop("lstm", 0)
         if calls:
             kernels = ", ".join(f"{name} x{n}" for name, n in sorted(calls.items()))
@@ -162,11 +173,12 @@ def policy_for(
     foreach: bool = True,
     frees_grads: bool = True,
     saves_every_operand: bool = False,
+    softmax_keeps_input: bool = False,
 ) -> DevicePolicy:
     """The policy for a target device name: ``cuda`` (default, of GPU ``arch``; ``foreach``
     the emulated PyTorch's default optimizer implementation there, ``frees_grads`` its
-    ``zero_grad()`` default, ``saves_every_operand`` its autograd saving rule for mul/div)
-    or ``cpu``."""
+    ``zero_grad()`` default, ``saves_every_operand`` its autograd saving rule for mul/div,
+    ``softmax_keeps_input`` its rule for softmax) or ``cpu``."""
     if target == "cpu":
         return CpuPolicy()
-    return CudaPolicy(arch, foreach, frees_grads, saves_every_operand)
+    return CudaPolicy(arch, foreach, frees_grads, saves_every_operand, softmax_keeps_input)

@@ -1,0 +1,91 @@
+"""What autograd kept for a softmax before PyTorch 1.11: its input as well as its output.
+
+Until pytorch/pytorch PR #65242 (issue #64000; issue #49600 shows the generated
+``grad_fn->self_ = SavedVariable(self, false)``), the backward formulas of ``_softmax`` and
+``_log_softmax`` named ``self`` (``_softmax_backward_data(grad, result, dim, self)``), so
+the input stayed alive until backward though only its dtype is used. PyTorch 1.11 passes
+the dtype instead; transformers' ``pytorch_utils.softmax_backward_data`` switches on
+``is_torch_less_than_1_11`` for exactly this signature change.
+
+The input kept is the one the call received: on CUDA an fp16 input with ``dtype=float32``
+(autocast's softmax) ran ``_softmax(input, dim, half_to_float=True)`` and kept the fp16
+input, not an fp32 copy. While tracing for such a stack, ``keeping_softmax_input`` routes
+softmax and log_softmax of an input that requires a gradient through a function that runs
+the call and saves both:
+
+>>> x = torch.randn(2, 3, requires_grad=True)
+>>> saved = []
+>>> with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+...     with keeping_softmax_input():
+...         y = torch.softmax(x, -1)
+>>> [t.shape for t in saved], y.sum().backward(), x.grad.abs().max().item() < 1e-6
+([torch.Size([2, 3]), torch.Size([2, 3])], None, True)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+
+aten = torch.ops.aten
+
+
+class _KeepingInput(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, dim, log, run):
+        out = run(x)
+        ctx.dim, ctx.log = dim, log
+        ctx.save_for_backward(x, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, out = ctx.saved_tensors
+        formula = aten._log_softmax_backward_data if ctx.log else aten._softmax_backward_data
+        grad_input = formula(grad, out, ctx.dim, out.dtype)
+        return grad_input.to(x.dtype), None, None, None
+
+
+def _keeping(original, log: bool):
+    def call(*args, **kwargs):
+        x = args[0] if args else kwargs.get("input")
+        dim = args[1] if len(args) > 1 else kwargs.get("dim")
+        if (
+            isinstance(dim, int)
+            and isinstance(x, torch.Tensor)
+            and x.requires_grad
+            and torch.is_grad_enabled()
+        ):
+            rest = {k: v for k, v in kwargs.items() if k != "input"}
+            run = lambda t: original(t, *args[1:], **rest)  # noqa: E731
+            return _KeepingInput.apply(x, dim, log, run)
+        return original(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def keeping_softmax_input() -> Iterator[None]:
+    """Trace softmax/log_softmax as autograd before PyTorch 1.11 saved them (module
+    docstring): ``torch.softmax``, ``torch.log_softmax`` and the ``Tensor`` methods
+    ``F.softmax`` and ``F.log_softmax`` call are patched for the block (not a
+    ``TorchFunctionMode``: a mode steps aside while it handles ``backward()``, where a
+    checkpoint recomputes its forward)."""
+    names = ("softmax", "log_softmax")
+    functions = {name: getattr(torch, name) for name in names}
+    methods = {name: getattr(torch.Tensor, name) for name in names}
+    own = {name: torch.Tensor.__dict__[name] for name in names if name in torch.Tensor.__dict__}
+    for name in names:
+        setattr(torch, name, _keeping(functions[name], name == "log_softmax"))
+        setattr(torch.Tensor, name, _keeping(methods[name], name == "log_softmax"))
+    try:
+        yield
+    finally:
+        for name in names:
+            setattr(torch, name, functions[name])
+            if name in own:  # an enclosing block's patch
+                setattr(torch.Tensor, name, own[name])
+            else:
+                delattr(torch.Tensor, name)  # back to TensorBase's own method
