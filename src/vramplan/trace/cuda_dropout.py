@@ -19,10 +19,11 @@ In-place dropout (``inplace=True``) takes the unfused path on CUDA too and is le
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 from torch import _VF
+
+from vramplan.trace.patching import patched
 
 
 def fused_on_cuda(input: torch.Tensor, p: float, train: bool) -> bool:
@@ -34,23 +35,14 @@ def fused_on_cuda(input: torch.Tensor, p: float, train: bool) -> bool:
     return bool(train) and 0.0 < p < 1.0 and input.numel() > 0
 
 
-@contextlib.contextmanager
-def cuda_dropout() -> Iterator[None]:
+def cuda_dropout() -> contextlib.AbstractContextManager:
     """Route out-of-place training ``_VF.dropout`` calls to ``native_dropout``, as CUDA's
     ``at::dropout`` does."""
     original = _VF.dropout
-    enclosing = vars(_VF).get("dropout")  # an enclosing block's patch, if any
 
     def dropout(input, p, train):
         if fused_on_cuda(input, p, train):
             return torch.native_dropout(input, p, True)[0]
         return original(input, p, train)
 
-    _VF.dropout = dropout
-    try:
-        yield
-    finally:
-        if enclosing is not None:
-            _VF.dropout = enclosing
-        else:
-            del _VF.dropout  # back to the module's own lookup of the C function
+    return patched([(_VF, "dropout", dropout)])

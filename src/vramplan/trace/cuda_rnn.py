@@ -17,11 +17,12 @@ from PyTorch), the stand-in for cuDNN's reserve::
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import _VF
+
+from vramplan.trace.patching import patched
 
 aten = torch.ops.aten
 
@@ -67,8 +68,7 @@ def native_lstm(x, hx, params, has_biases, num_layers, dropout, train, bidirecti
     return output, torch.stack(hs), torch.stack(cs)
 
 
-@contextlib.contextmanager
-def cuda_lstm(calls: dict[str, int]) -> Iterator[None]:
+def cuda_lstm(calls: dict[str, int]) -> contextlib.AbstractContextManager:
     """Route dense ``_VF.lstm`` calls without projections to ``native_lstm``, counting
     them in ``calls["lstm"]``; packed sequences and projections run as on the CPU."""
     original = _VF.lstm
@@ -81,8 +81,4 @@ def cuda_lstm(calls: dict[str, int]) -> Iterator[None]:
         calls["lstm"] = calls.get("lstm", 0) + 1
         return native_lstm(*args)
 
-    _VF.lstm = lstm
-    try:
-        yield
-    finally:
-        del _VF.lstm  # back to the module's own lookup of the C function
+    return patched([(_VF, "lstm", lstm)])

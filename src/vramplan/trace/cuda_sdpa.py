@@ -24,11 +24,12 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from vramplan.trace.patching import patched
 
 aten = torch.ops.aten
 HALF = (torch.float16, torch.bfloat16)
@@ -196,8 +197,7 @@ def _run(backend, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, n
     )[0]
 
 
-@contextlib.contextmanager
-def cuda_sdpa(arch: str, calls: dict[str, int]) -> Iterator[None]:
+def cuda_sdpa(arch: str, calls: dict[str, int]) -> contextlib.AbstractContextManager:
     """Route ``F.scaled_dot_product_attention`` to the kernel a GPU of ``arch`` picks,
     counting the choices in ``calls``."""
     original = F.scaled_dot_product_attention
@@ -244,8 +244,4 @@ def cuda_sdpa(arch: str, calls: dict[str, int]) -> Iterator[None]:
                 needs_grad,
             )
 
-    F.scaled_dot_product_attention = scaled_dot_product_attention
-    try:
-        yield
-    finally:
-        F.scaled_dot_product_attention = original
+    return patched([(F, "scaled_dot_product_attention", scaled_dot_product_attention)])

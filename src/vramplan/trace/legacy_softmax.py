@@ -25,9 +25,10 @@ the call and saves both:
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 
 import torch
+
+from vramplan.trace.patching import patched
 
 aten = torch.ops.aten
 
@@ -66,26 +67,14 @@ def _keeping(original, log: bool):
     return call
 
 
-@contextlib.contextmanager
-def keeping_softmax_input() -> Iterator[None]:
+def keeping_softmax_input() -> contextlib.AbstractContextManager:
     """Trace softmax/log_softmax as autograd before PyTorch 1.11 saved them (module
     docstring): ``torch.softmax``, ``torch.log_softmax`` and the ``Tensor`` methods
-    ``F.softmax`` and ``F.log_softmax`` call are patched for the block (not a
-    ``TorchFunctionMode``: a mode steps aside while it handles ``backward()``, where a
+    ``F.softmax`` and ``F.log_softmax`` call are replaced for the block (``patching.py``:
+    a ``TorchFunctionMode`` steps aside while it handles ``backward()``, where a
     checkpoint recomputes its forward)."""
-    names = ("softmax", "log_softmax")
-    functions = {name: getattr(torch, name) for name in names}
-    methods = {name: getattr(torch.Tensor, name) for name in names}
-    own = {name: torch.Tensor.__dict__[name] for name in names if name in torch.Tensor.__dict__}
-    for name in names:
-        setattr(torch, name, _keeping(functions[name], name == "log_softmax"))
-        setattr(torch.Tensor, name, _keeping(methods[name], name == "log_softmax"))
-    try:
-        yield
-    finally:
-        for name in names:
-            setattr(torch, name, functions[name])
-            if name in own:  # an enclosing block's patch
-                setattr(torch.Tensor, name, own[name])
-            else:
-                delattr(torch.Tensor, name)  # back to TensorBase's own method
+    return patched(
+        (owner, name, _keeping(getattr(owner, name), name == "log_softmax"))
+        for owner in (torch, torch.Tensor)
+        for name in ("softmax", "log_softmax")
+    )
