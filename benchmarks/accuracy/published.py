@@ -72,6 +72,7 @@ def knobs(text: str) -> dict:
         "activation_offload",
         "fused_ce",
         "loss_shift_copy",
+        "compile",
     )
     found: dict = {}
     for pair in text.split():
