@@ -109,9 +109,15 @@ aten = torch.ops.aten
 MAX_POINTWISE_CAT_INPUTS = 8
 """Inductor lowers a ``cat`` of at most this many inputs as a pointwise kernel
 (``torch/_inductor/config.py``, ``max_pointwise_cat_inputs``)."""
-_INLINED = {aten.cat.default, aten.gather.default, aten.full.default, aten.scalar_tensor.default}
+_INLINED = {
+    aten.cat.default,
+    aten.gather.default,
+    aten.full.default,
+    aten.scalar_tensor.default,
+    torch.ops.prims.iota.default,
+}
 """Ops Inductor lowers as loads inside its consumers' kernels (``torch/_inductor/
-lowering.py``): pointwise cat, gather's indirect load, constants."""
+lowering.py``): pointwise cat, gather's indirect load, constants and index ranges."""
 
 
 def _op(node: torch.fx.Node):
@@ -205,15 +211,17 @@ def _inductor_like(module: torch.fx.GraphModule, example_inputs) -> Callable:
 
 def partitioned_compiler() -> dict:
     """``aot_function``'s arguments as Inductor chooses them (``torch/_inductor/
-    compile_fx.py``): Inductor's decompositions and the min-cut partitioner as Inductor
-    calls it; the graphs then run by ``_inductor_like``."""
-    from torch._functorch.partitioners import min_cut_rematerialization_partition
+    compile_fx.py``): Inductor's decompositions and Inductor's own ``partition_fn`` (its
+    joint-graph passes, such as turning the cross-entropy backward's scatter into a
+    pointwise ``where``, then the min-cut partitioner); the graphs then run by
+    ``_inductor_like``."""
+    from torch._inductor.compile_fx import partition_fn
     from torch._inductor.decomposition import select_decomp_table
 
     return {
         "fw_compiler": _inductor_like,
         "bw_compiler": _inductor_like,
-        "partition_fn": functools.partial(min_cut_rematerialization_partition, compiler="inductor"),
+        "partition_fn": partition_fn,
         "decompositions": select_decomp_table(),
     }
 
