@@ -12,6 +12,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from vramplan import Recipe
+from vramplan.configs.training_args import read_training_args
 from vramplan.measurement.run import cpu_peak_of
 from vramplan.pipeline import trace_and_estimate
 from vramplan.result import Component
@@ -146,3 +147,24 @@ def test_compiled_llama_saves_less_and_checkpointing_still_wraps_it(tiny_llama):
 def test_compile_is_absent_from_an_eager_recipe():
     assert "compile" not in Recipe(batch_size=1).to_json()
     assert Recipe(batch_size=1, compile=True).to_json()["compile"] is True
+
+
+def test_compile_flag_on_the_command_line(run_cli, tiny_llama):
+    """``--compile`` reaches the traced step (its note), and autocast with it is one clear
+    line and exit 2 (the captured graph would miss autocast's casts)."""
+    code, out, _ = run_cli(
+        "estimate", tiny_llama, "--seq-len", "32", "--precision", "bf16", "--compile", "--json"
+    )
+    assert code == 0 and "torch.compile: 2 repeated blocks" in out
+    code, _, err = run_cli("estimate", tiny_llama, "--precision", "amp-bf16", "--compile")
+    assert code == 2 and "--compile under autocast" in err and len(err.strip().splitlines()) == 1
+
+
+def test_trainer_torch_compile_is_honoured_without_autocast():
+    """TrainingArguments' ``torch_compile`` sets ``--compile`` in pure precision; under the
+    Trainer's autocast (bf16=True) it is noted as not modelled."""
+    pure = read_training_args({"torch_compile": True, "per_device_train_batch_size": 2})
+    assert pure.options["compile"] is True and pure.recipe().compile
+    amp = read_training_args({"torch_compile": True, "bf16": True})
+    assert "compile" not in amp.options
+    assert any(n.startswith("torch_compile:") for n in amp.notes)
