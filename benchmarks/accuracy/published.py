@@ -80,6 +80,7 @@ def knobs(text: str) -> dict:
         "fused_ce",
         "loss_shift_copy",
         "additive_mask",
+        "compile",
     )
     found: dict = {}
     for pair in text.split():

@@ -137,6 +137,9 @@ class Recipe:
     fused_ce: bool = False
     packing: bool = False
     dora: bool = False
+    # torch.compile (trace/compiled.py): each repeated block and the per-chunk loss run as
+    # AOTAutograd's min-cut partition runs them (torchtune's compile_model / compile_loss).
+    compile: bool = False
     # What zero_grad() does between steps (trace/loop.py): "auto" is the emulated PyTorch's
     # default (None from 2.0, zeros before: data/runtime.json zero_grad).
     zero_grad: str = "auto"
@@ -547,6 +550,7 @@ TRICK_DEFAULTS = {
     "fused_ce": False,
     "packing": False,
     "dora": False,
+    "compile": False,
 }
 
 
@@ -560,6 +564,7 @@ def _check_tricks(recipe: Recipe) -> None:
     training = {
         "--optimizer-in-backward": recipe.optimizer_in_backward,
         "--activation-offload": recipe.activation_offload,
+        "--compile": recipe.compile,
     }
     for flag, on in training.items():
         if on and not recipe.is_training:
@@ -572,6 +577,11 @@ def _check_tricks(recipe: Recipe) -> None:
             )
         if recipe.optimizer == "none":
             raise UserError("--optimizer-in-backward needs an optimizer")
+    if recipe.compile and recipe.uses_autocast:
+        raise UserError(
+            "--compile under autocast (--precision amp-*) is not modelled: the traced graph "
+            "would miss autocast's casts; use a pure precision (fp32, bf16, fp16)"
+        )
     if recipe.dora and not recipe.lora_rank:
         raise UserError("--dora needs --lora R (DoRA is peft's LoRA with use_dora=True)")
     if recipe.dora and recipe.quantize != "none":

@@ -436,6 +436,15 @@ DoraOpt = Annotated[
     bool, typer.Option("--dora", help="DoRA: peft's LoraConfig(use_dora=True), with --lora R.")
 ]
 
+CompileOpt = Annotated[
+    bool,
+    typer.Option(
+        "--compile",
+        help="torch.compile each repeated block and the chunked loss (torchtune's "
+        "compile=True): what AOTAutograd's min-cut partitioner saves for backward.",
+    ),
+]
+
 TRICK_OPTIONS = (
     "optimizer_in_backward",
     "activation_offload",
@@ -443,6 +452,7 @@ TRICK_OPTIONS = (
     "fused_ce",
     "packing",
     "dora",
+    "compile",
 )
 
 # -- how a framework stores the model (trace/storage.py, sources/loss.py) -------------------

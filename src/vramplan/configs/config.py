@@ -38,6 +38,7 @@ RECIPE_OPTIONS = (
     "quantize",
     "double_quant",
     "compute_dtype",
+    "compile",
 )
 LAYOUT_OPTIONS = tuple(inspect.signature(layout_from_flags).parameters)
 """The parallel-layout flags: the keyword arguments of ``layout_from_flags``."""

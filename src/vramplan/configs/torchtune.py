@@ -35,7 +35,6 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 _NOT_MODELLED = {
     "enable_activation_offloading": "activations offloaded to the CPU are not modelled "
     "(counted on the GPU)",
-    "compile": "torch.compile is not modelled (the eager step is traced)",
     "optimizer_in_bwd": "the optimizer step fused into backward (gradients freed early) "
     "is not modelled",
     "fsdp_cpu_offload": "FSDP CPU offload is not modelled",
@@ -134,6 +133,14 @@ def read_torchtune(fields: Fields) -> str | None:
     _precision(fields)
     if fields.get("enable_activation_checkpointing") is True:
         fields.honour("enable_activation_checkpointing", "checkpointing", "full")
+    if fields.get("compile") is True:
+        fields.honour(
+            "compile",
+            "compile",
+            True,
+            "training.compile_model: each decoder layer; compile_loss: the chunked loss's "
+            "cross-entropy",
+        )
     for path, reason in _NOT_MODELLED.items():
         if fields.peek(path) not in (None, False):
             fields.note(path, reason)

@@ -32,7 +32,6 @@ READ = (
     "optim",
 )
 _NOT_MODELLED = {
-    "torch_compile": "torch.compile is not modelled (the eager step is traced)",
     "per_device_eval_batch_size": "evaluation is a separate no-grad step: "
     "vramplan.integrations.transformers.estimate_evaluation estimates it",
     "auto_find_batch_size": "vramplan picks the batch before launch instead: "
@@ -59,6 +58,22 @@ def _deepspeed(value: Any, fields: Fields) -> TrainingConfig | None:
         tuple(f"deepspeed.{n}" for n in ds.notes),
         tuple(f"deepspeed.{i}" for i in ds.ignored()),
         global_batch=total,
+    )
+
+
+def _compile(fields: Fields, autocast: bool) -> None:
+    """``torch_compile``: the Trainer compiles the whole model (``torch.compile(model)``);
+    traced as each repeated block compiled (``--compile``), the model's own loss eager."""
+    if not fields.get("torch_compile"):
+        return
+    if autocast:
+        fields.note(
+            "torch_compile",
+            "torch.compile under the Trainer's autocast is not modelled (the eager step is traced)",
+        )
+        return
+    fields.honour(
+        "torch_compile", "compile", True, "each repeated block as AOTAutograd's partition runs it"
     )
 
 
@@ -115,6 +130,7 @@ def read_training_args(
         if length is not None:
             fields.honour(path, "seq_len", length)
             break
+    _compile(fields, autocast=bool(bf16 or fp16))
     _fsdp(fields, world_size)
     ds = _deepspeed(values.get("deepspeed"), fields)
     for path, reason in _NOT_MODELLED.items():

@@ -39,6 +39,7 @@ from torch import nn
 from torch.nn import functional as F  # noqa: N812
 
 from vramplan.recipe import Recipe
+from vramplan.trace.compiled import CompiledRegion
 
 IGNORE_INDEX = -100
 
@@ -57,18 +58,28 @@ def _hidden_and_targets(model: nn.Module, batch: dict) -> tuple[torch.Tensor, nn
     return hidden, head, targets
 
 
-def chunked_loss(model: nn.Module, batch: dict, chunks: int) -> torch.Tensor:
-    """torchtune's chunked output head and ``CEWithChunkedOutputLoss``."""
+def chunked_loss(
+    model: nn.Module, batch: dict, chunks: int, compiled: bool = False
+) -> torch.Tensor:
+    """torchtune's chunked output head and ``CEWithChunkedOutputLoss`` (with ``compiled``,
+    its ``compute_cross_entropy`` compiled as ``compile_loss`` does)."""
     hidden, head, targets = _hidden_and_targets(model, batch)
     logits = [head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
     labels = [t.reshape(-1) for t in targets.chunk(chunks, dim=1)]
+    cross_entropy = COMPILED_CROSS_ENTROPY if compiled else compute_cross_entropy
     total = 0.0
     for logit, label in zip(logits, labels, strict=True):
-        flat = logit.reshape(-1, logit.size(-1))
-        total = total + F.cross_entropy(
-            flat.float(), label, ignore_index=IGNORE_INDEX, reduction="sum"
-        )
+        total = total + cross_entropy(logit.reshape(-1, logit.size(-1)), label)
     return total / targets.numel()
+
+
+def compute_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """``CEWithChunkedOutputLoss.compute_cross_entropy``: one chunk's upcast and sum."""
+    return F.cross_entropy(logits.float(), labels, ignore_index=IGNORE_INDEX, reduction="sum")
+
+
+COMPILED_CROSS_ENTROPY = CompiledRegion(compute_cross_entropy)
+"""torchtune's ``compile_loss`` compiles only ``compute_cross_entropy`` of the chunked loss."""
 
 
 def liger_chunk_size(rows: int, vocab: int, hidden: int) -> int:
@@ -143,6 +154,6 @@ def loss_run(recipe: Recipe) -> Callable[[nn.Module, dict, bool], Any]:
             return fused_loss(module, batch)
         if recipe.loss_shift_copy:
             return shift_copy_loss(module, batch)
-        return chunked_loss(module, batch, recipe.loss_chunks)
+        return chunked_loss(module, batch, recipe.loss_chunks, recipe.compile)
 
     return run

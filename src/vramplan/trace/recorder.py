@@ -156,6 +156,16 @@ class AllocationRecorder(TorchDispatchMode):
         """The stream new storages are allocated on (0: the default stream)."""
         self.stream_label = ""
         """What the current side stream is for; prefixes the op names it allocates."""
+        self._paused = 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Record nothing inside: work that is not the step's (capturing a compiled graph)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
 
     # -- phases -----------------------------------------------------------------------
     def set_phase(self, phase: Phase, iteration: int) -> None:
@@ -202,6 +212,8 @@ class AllocationRecorder(TorchDispatchMode):
     def on_resize(self, storage: torch.UntypedStorage, nbytes: int) -> None:
         """A storage was resized in place (FSDP frees and re-allocates its unsharded
         parameters this way): the old size dies, the new one is born."""
+        if self._paused:
+            return
         record = self.live.get(storage._cdata)
         if record is not None and record.nbytes == nbytes:
             return
@@ -273,6 +285,8 @@ class AllocationRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if self._paused:
+            return out
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         phase_key = (self.current_phase()[0], name)
         self.op_counts[phase_key] = self.op_counts.get(phase_key, 0) + 1

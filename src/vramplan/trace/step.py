@@ -31,6 +31,7 @@ from vramplan.recipe import Recipe
 from vramplan.result import Component, Phase
 from vramplan.sources.base import BuiltModel
 from vramplan.trace.categorize import categorize
+from vramplan.trace.compiled import compile_blocks, compile_note
 from vramplan.trace.errors import explain_failure
 from vramplan.trace.events import Trace
 from vramplan.trace.loop import ITERATIONS, MAX_MICRO_STEPS, frees_gradients, run_steps
@@ -216,6 +217,8 @@ def prepare_model_for(built: BuiltModel, recipe: Recipe) -> list[str]:
     notes = []
     model = built.model
     cast_parameters(model, recipe)
+    if recipe.compile and recipe.is_training:
+        notes.append(compile_note(compile_blocks(model), recipe))
     if recipe.checkpointing != "none" and recipe.is_training:
         check_checkpointing(built, recipe)
         built.enable_checkpointing(
