@@ -175,9 +175,12 @@ class Workbench:
     def flops(self, recipe: Recipe) -> int:
         """FLOPs of the traced run (two iterations) under ``recipe``: the whole depth's,
         where blocks were repeated. With ``counts_flops``, those of the step's own (cached)
-        trace; otherwise a trace of their own."""
+        trace; otherwise (or when it was traced before counting began) a trace of their
+        own."""
         if self._counted(recipe):
-            return self.run(recipe)[1].op_counts[FLOPS_KEY]
+            counts = self.run(recipe)[1].op_counts
+            if FLOPS_KEY in counts:
+                return counts[FLOPS_KEY]
         policy = flop_counting_policy(self.device)
         _, trace = self.timed(
             recipe,
