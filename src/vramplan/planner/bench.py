@@ -39,17 +39,32 @@ def recipe_key(recipe: Recipe) -> str:
 
 
 def describe(recipe: Recipe) -> str:
-    """A short label of a recipe: ``batch 8, seq 4096, bf16, adamw, checkpointing 4``.
+    """A short label of a recipe: ``batch 8, seq 4096, bf16, adamw, checkpointing 4``; the
+    planner's other levers are named when they are on, so that no two traces of a plan
+    read alike.
 
     >>> describe(Recipe(batch_size=8, seq_len=4096, precision="bf16"))
     'batch 8, seq 4096, bf16, adamw'
+    >>> describe(Recipe(batch_size=8, optimizer_impl="fused", activation_offload=True))
+    'batch 8, fp32, adamw fused, activation offloading'
     """
     parts = [f"batch {recipe.batch_size}"]
     if recipe.seq_len is not None:
         parts.append(f"seq {recipe.seq_len}")
     parts.append(recipe.precision)
+    if recipe.quantize != "none":
+        parts.append(f"{recipe.quantize} weights")
     if recipe.is_training:
-        parts.append(recipe.optimizer)
+        impl = "" if recipe.optimizer_impl == "auto" else f" {recipe.optimizer_impl}"
+        parts.append(recipe.optimizer + impl)
+        if recipe.lora_rank:
+            parts.append(f"LoRA r{recipe.lora_rank}")
+        if recipe.optimizer_in_backward:
+            parts.append("step in backward")
+        if recipe.activation_offload:
+            parts.append("activation offloading")
+        if recipe.loss_chunks:
+            parts.append(f"loss in {recipe.loss_chunks} chunks")
         if recipe.checkpointing != "none":
             parts.append(f"checkpointing {recipe.checkpointing}")
         if recipe.grad_accum > 1:
