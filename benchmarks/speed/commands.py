@@ -4,10 +4,12 @@
     python -m benchmarks.speed.commands --only calc,llm    # rows whose name has a word
     python -m benchmarks.speed.commands --write            # also benchmarks/results/<date>-speed.md
     python -m benchmarks.speed.commands --before /tmp/old/src   # an older checkout beside it
+    python -m benchmarks.speed.commands --only plan,max-batch   # the planner rows (minutes)
 
 Each run is a fresh ``python -m vramplan ...`` (start-up, imports, model build, trace and
 rendering included, output to a file); the table gives the best and the median of
-``--repeat`` runs and the largest resident set (``ru_maxrss`` of that child). It prints
+``--repeat`` runs, the median CPU seconds (user + sys of the child: what to compare on a
+shared machine) and the largest resident set (``ru_maxrss`` of that child). It prints
 figures and never fails on time: the targets of issue 14 are printed beside them. With
 ``--before SRC``, each run alternates with one of the package under ``SRC`` (an older
 checkout's ``src``), so both columns see the same machine load.
@@ -80,11 +82,61 @@ ROWS = [
     ),
     ("max-batch resnet50 t4", ["max-batch", "torchvision:resnet50", "--gpu", "t4"], 10.0),
 ]
+# Minutes each before issue 14's planner work: run only when named (``--only plan``) or
+# with ``--slow``.
+SLOW_ROWS = [
+    (
+        "plan llama-3-8b s4096 b8 a100-80gb",
+        [
+            "plan",
+            "hf:meta-llama-3-8b",
+            "--seq-len",
+            "4096",
+            "--batch-size",
+            "8",
+            "--gpu",
+            "a100-80gb",
+            "--json",
+        ],
+        30.0,
+    ),
+    (
+        "plan llama-3-70b s4096 b8 a100-80gb",
+        [
+            "plan",
+            "hf:meta-llama-3-70b",
+            "--seq-len",
+            "4096",
+            "--batch-size",
+            "8",
+            "--gpu",
+            "a100-80gb",
+            "--json",
+        ],
+        60.0,
+    ),
+    (
+        "max-batch llama-3-8b s4096 bf16 a100-80gb",
+        [
+            "max-batch",
+            "hf:meta-llama-3-8b",
+            "--seq-len",
+            "4096",
+            "--precision",
+            "bf16",
+            "--checkpointing",
+            "full",
+            "--gpu",
+            "a100-80gb",
+        ],
+        None,
+    ),
+]
 
 
-def run_once(args: list[str], src: str | None = None) -> tuple[float, int, int]:
-    """Seconds, exit code and peak RSS (bytes) of one ``python -m vramplan ARGS`` (with
-    ``src`` first on ``PYTHONPATH`` when given)."""
+def run_once(args: list[str], src: str | None = None) -> tuple[float, int, int, float]:
+    """Seconds, exit code, peak RSS (bytes) and CPU seconds (user + sys of the child) of
+    one ``python -m vramplan ARGS`` (with ``src`` first on ``PYTHONPATH`` when given)."""
     env = dict(os.environ)
     if src:
         env["PYTHONPATH"] = os.pathsep.join([src, *filter(None, [env.get("PYTHONPATH")])])
@@ -102,7 +154,7 @@ def run_once(args: list[str], src: str | None = None) -> tuple[float, int, int]:
         if child.returncode not in (0, 3):
             out.seek(0)
             raise SystemExit(f"vramplan {' '.join(args)} failed:\n{out.read().decode()[-2000:]}")
-    return elapsed, child.returncode, usage.ru_maxrss * 1024
+    return elapsed, child.returncode, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime
 
 
 def cpu_model() -> str:
@@ -150,12 +202,14 @@ def machine(before: str | None) -> str:
     )
 
 
-def _seconds(runs: list[tuple[float, int, int]]) -> str:
+def _seconds(runs: list[tuple[float, int, int, float]]) -> str:
+    """Best and median wall seconds, and median CPU seconds (less sensitive to load)."""
     seconds = [r[0] for r in runs]
-    return f"{min(seconds):.2f} | {statistics.median(seconds):.2f}"
+    cpu = statistics.median(r[3] for r in runs)
+    return f"{min(seconds):.2f} | {statistics.median(seconds):.2f} | {cpu:.2f}"
 
 
-def _rss(runs: list[tuple[float, int, int]]) -> str:
+def _rss(runs: list[tuple[float, int, int, float]]) -> str:
     return f"{max(r[2] for r in runs) / 2**20:.0f}"
 
 
@@ -166,9 +220,13 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--write", action="store_true", help="write benchmarks/results/")
     parser.add_argument("--title", default="", help="a line under the table's heading")
     parser.add_argument("--before", default=None, help="an older checkout's src, run alternately")
+    parser.add_argument("--slow", action="store_true", help="also the plan rows (minutes)")
     options = parser.parse_args(argv)
     words = [w for w in options.only.split(",") if w]
     rows = [row for row in ROWS if not words or any(w in row[0] for w in words)]
+    rows += [
+        row for row in SLOW_ROWS if (options.slow and not words) or any(w in row[0] for w in words)
+    ]
 
     lines = [
         f"## Whole commands (python -m benchmarks.speed.commands, {options.repeat} runs each)",
@@ -179,14 +237,14 @@ def main(argv: list[str] | None = None) -> str:
     ]
     if options.before:
         lines += [
-            "| command | best s | median s | before: best s | before: median s | target s "
-            "| peak RSS MiB | before: RSS MiB | exit |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| command | best s | median s | CPU s | before: best s | before: median s "
+            "| before: CPU s | target s | peak RSS MiB | before: RSS MiB | exit |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
     else:
         lines += [
-            "| command | best s | median s | target s | peak RSS MiB | exit |",
-            "| --- | ---: | ---: | ---: | ---: | ---: |",
+            "| command | best s | median s | CPU s | target s | peak RSS MiB | exit |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as folder:

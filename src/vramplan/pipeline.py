@@ -113,6 +113,20 @@ def _policy(target: str, device: DeviceOptions) -> DevicePolicy:
     )
 
 
+def flop_counting_policy(device: DeviceOptions) -> DevicePolicy:
+    """The CUDA policy of ``device`` that also counts the step's FLOPs (``trace/flops.py``):
+    the same traced events, and the FLOPs in the trace's op counts (``FLOPS_KEY``)."""
+    from vramplan.trace.flops import FlopCountingPolicy
+
+    software = device.software
+    return FlopCountingPolicy(
+        device.card.arch,
+        software.foreach_default,
+        software.zero_grad_frees,
+        software.saves_every_operand,
+    )
+
+
 def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None) -> Trace:
     """The trace of ``built``: its repeated blocks traced once and repeated where that is
     exact (not under a distributed ``engine``, not with ``built.repeat_blocks`` off), else

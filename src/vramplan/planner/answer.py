@@ -65,6 +65,7 @@ def answer_plan(
     card (``judge_every_gpu``) or just this one, with the levers that make each fit."""
     before = bench.traces
     bench.shares_short_traces = True  # its estimates differ in the checkpointed count
+    bench.counts_flops = True  # recompute costs read off the steps' own traces
     levers = plan_levers(bench, recipe)
     needed, needed_note = None, ""
     if not judge_every_gpu and levers.baseline.verdict.status != "fits" and levers.plan is None:

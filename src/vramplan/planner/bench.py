@@ -22,11 +22,16 @@ from vramplan.device.options import DeviceOptions
 from vramplan.device.profile import profile_for
 from vramplan.device.replay import apply_device
 from vramplan.errors import UserError
-from vramplan.pipeline import estimate_built, estimate_from_trace, trace_and_estimate
+from vramplan.pipeline import (
+    estimate_built,
+    estimate_from_trace,
+    flop_counting_policy,
+    trace_and_estimate,
+)
 from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.sources import BuiltModel, resolve
-from vramplan.trace.events import Trace
+from vramplan.trace.events import FLOPS_KEY, Trace
 
 
 def recipe_key(recipe: Recipe) -> str:
@@ -34,17 +39,32 @@ def recipe_key(recipe: Recipe) -> str:
 
 
 def describe(recipe: Recipe) -> str:
-    """A short label of a recipe: ``batch 8, seq 4096, bf16, adamw, checkpointing 4``.
+    """A short label of a recipe: ``batch 8, seq 4096, bf16, adamw, checkpointing 4``; the
+    planner's other levers are named when they are on, so that no two traces of a plan
+    read alike.
 
     >>> describe(Recipe(batch_size=8, seq_len=4096, precision="bf16"))
     'batch 8, seq 4096, bf16, adamw'
+    >>> describe(Recipe(batch_size=8, optimizer_impl="fused", activation_offload=True))
+    'batch 8, fp32, adamw fused, activation offloading'
     """
     parts = [f"batch {recipe.batch_size}"]
     if recipe.seq_len is not None:
         parts.append(f"seq {recipe.seq_len}")
     parts.append(recipe.precision)
+    if recipe.quantize != "none":
+        parts.append(f"{recipe.quantize} weights")
     if recipe.is_training:
-        parts.append(recipe.optimizer)
+        impl = "" if recipe.optimizer_impl == "auto" else f" {recipe.optimizer_impl}"
+        parts.append(recipe.optimizer + impl)
+        if recipe.lora_rank:
+            parts.append(f"LoRA r{recipe.lora_rank}")
+        if recipe.optimizer_in_backward:
+            parts.append("step in backward")
+        if recipe.activation_offload:
+            parts.append("activation offloading")
+        if recipe.loss_chunks:
+            parts.append(f"loss in {recipe.loss_chunks} chunks")
         if recipe.checkpointing != "none":
             parts.append(f"checkpointing {recipe.checkpointing}")
         if recipe.grad_accum > 1:
@@ -120,6 +140,10 @@ class Workbench:
     _done: dict[str, tuple[Estimate, Trace]] = field(default_factory=dict)
     shares_short_traces: bool = False
     _short_traces: dict = field(default_factory=dict)
+    counts_flops: bool = False
+    """Trace every training step with its FLOPs counted too (``trace/flops.py``): the same
+    events, so ``flops`` reads them off the step's own trace instead of tracing it again
+    (``plan``'s recompute cost)."""
 
     def __post_init__(self) -> None:
         if self.device.gpu is None:
@@ -147,9 +171,10 @@ class Workbench:
         """The estimate and trace of ``recipe`` (traced once, then cached)."""
         key = recipe_key(recipe)
         if key not in self._done:
+            policy = flop_counting_policy(self.device) if self._counted(recipe) else None
             estimate, trace = self.timed(
                 recipe,
-                lambda: trace_and_estimate(self.built(recipe), recipe, "cuda", self.device),
+                lambda: trace_and_estimate(self.built(recipe), recipe, "cuda", self.device, policy),
             )
             if self.finish is not None:
                 estimate = self.finish(estimate, trace, self.device)
@@ -158,6 +183,26 @@ class Workbench:
 
     def estimate(self, recipe: Recipe) -> Estimate:
         return self.run(recipe)[0]
+
+    def _counted(self, recipe: Recipe) -> bool:
+        return self.counts_flops and recipe.is_training
+
+    def flops(self, recipe: Recipe) -> int:
+        """FLOPs of the traced run (two iterations) under ``recipe``: the whole depth's,
+        where blocks were repeated. With ``counts_flops``, those of the step's own (cached)
+        trace; otherwise (or when it was traced before counting began) a trace of their
+        own."""
+        if self._counted(recipe):
+            counts = self.run(recipe)[1].op_counts
+            if FLOPS_KEY in counts:
+                return counts[FLOPS_KEY]
+        policy = flop_counting_policy(self.device)
+        _, trace = self.timed(
+            recipe,
+            lambda: trace_and_estimate(self.built(recipe), recipe, "cuda", self.device, policy),
+            "FLOPs",
+        )
+        return trace.op_counts[FLOPS_KEY]
 
     def sharded(self, recipe: Recipe, engine: Any) -> Estimate:
         """One rank of ``recipe`` traced under a sharding ``engine`` (``Fsdp2``)."""

@@ -13,12 +13,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from vramplan.pipeline import trace_and_estimate
 from vramplan.planner.bench import Workbench
 from vramplan.recipe import FUSED_OPTIMIZERS, Recipe
 from vramplan.result import Estimate
-from vramplan.trace.events import FLOPS_KEY
-from vramplan.trace.policy import CudaPolicy
 
 ADAM_FAMILY = ("adam", "adamw")
 FLAG_NAMES = {
@@ -107,30 +104,9 @@ class PlanResult:
         }
 
 
-class _CountingPolicy(CudaPolicy):
-    """The CUDA policy plus a FLOP counter over the whole traced run."""
-
-    def __init__(self, arch: str) -> None:
-        # Imported here: torch.utils.flop_counter loads triton (about 80 MiB resident and
-        # 0.15 s), which only plan's recompute cost needs, not every estimate.
-        from torch.utils.flop_counter import FlopCounterMode
-
-        super().__init__(arch)
-        self.counter = FlopCounterMode(display=False)
-
-    def dispatch_modes(self, recipe: Recipe) -> list:
-        return [*super().dispatch_modes(recipe), self.counter]
-
-
 def step_flops(bench: Workbench, recipe: Recipe) -> int:
-    """FLOPs of the traced run (two iterations) under ``recipe``."""
-    policy = _CountingPolicy(bench.device.card.arch)
-    _, trace = bench.timed(
-        recipe,
-        lambda: trace_and_estimate(bench.built(recipe), recipe, "cuda", bench.device, policy),
-        "FLOPs",
-    )
-    return trace.op_counts[FLOPS_KEY]  # the whole depth's, where blocks were repeated
+    """FLOPs of the traced run (two iterations) under ``recipe`` (``Workbench.flops``)."""
+    return bench.flops(recipe)
 
 
 def _mixed_precision(bench: Workbench) -> str:
