@@ -199,7 +199,8 @@ def _candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]
 
 def _trick_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]]:
     """torchtune's memory savers that keep full training: a paged 8-bit optimizer, the
-    optimizer step in backward, activation offloading, and (causal LMs) a chunked loss."""
+    optimizer step in backward, activation offloading, and (causal LMs) a chunked loss, which
+    replaces the model's own loss (so not beside ``--loss-shift-copy``, which describes it)."""
     if not recipe.is_training:
         return []
     found = []
@@ -238,7 +239,7 @@ def _trick_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict,
         )
     if (
         bench.model.startswith("hf:")
-        and not (recipe.loss_chunks or recipe.fused_ce)
+        and not (recipe.loss_chunks or recipe.fused_ce or recipe.loss_shift_copy)
         and bench.estimate(recipe).model.kind == "causal-lm"
     ):
         found.append(
