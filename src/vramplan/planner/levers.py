@@ -409,6 +409,9 @@ class _Tier:
     bases: tuple[tuple[tuple[str, ...], dict], ...]
     free: tuple[tuple[LeverResult, ...], ...]
     """Sets of free levers to try on each base, in order, until one fits."""
+    leanest: tuple[tuple[LeverResult, ...], ...]
+    """The sets that leave the most room (a paged optimizer's rather than a plain one's):
+    where none of them fits a base with every costed lever, nothing does."""
     first_base_wins: bool
     """Full training keeps mixed precision whenever it fits at all (bf16 weights round
     small updates away, whatever they save); adapters compete on time."""
@@ -430,7 +433,11 @@ def _first_plan(
     the fewest blocks, and free levers the plan does not need are dropped."""
     by_name = {lever.name: lever for lever in levers}
     precisions = [lever for lever in levers if "precision" in lever.changes] or [None]
-    full_bases = tuple((((p.name,) if p else ()), dict(p.changes) if p else {}) for p in precisions)
+    full_bases = tuple(
+        (((p.name,) if p else ()), dict(p.changes) if p else {})
+        for p in precisions
+        if p is None or _weights_leave_room(p.estimate)
+    )
     in_backward = by_name.get(IN_BACKWARD)
     free_full = []
     for optimizer in ("8-bit Adam", "paged 8-bit AdamW"):  # paged: when plain does not fit
@@ -438,14 +445,17 @@ def _first_plan(
         free = tuple(lever for lever in levers_in if lever is not None)
         with_step = ((*free, in_backward),) if in_backward is not None else ()
         free_full += [s for s in (*with_step, free) if s not in free_full]
-    tiers = [_Tier(full_bases, tuple(free_full), True)]
+    paged = by_name.get("paged 8-bit AdamW")
+    leanest = tuple(f for f in free_full if paged is None or paged in f)
+    tiers = [_Tier(full_bases, tuple(free_full), leanest, True)]
     adapters = [by_name[n] for n in FINETUNE_LEVERS if n in by_name]
     if adapters:
         leanest = precisions[-1]  # a frozen base needs no fp32 master weights
         head = ((leanest.name,), dict(leanest.changes)) if leanest else ((), {})
         bases = tuple(((*head[0], a.name), {**head[1], **a.changes}) for a in adapters)
         chunked = by_name.get("chunked loss")
-        tiers.append(_Tier(bases, ((chunked,) if chunked else (),), False))
+        free = ((chunked,) if chunked else (),)
+        tiers.append(_Tier(bases, free, free, False))
     checkpointable = "activation checkpointing" in by_name
     for tier in tiers:
         found = _cheapest(bench, recipe, tier, throughput, checkpointable)
@@ -493,6 +503,9 @@ def _cheapest(
     changes, free levers kept)."""
     best: tuple[float, tuple[str, ...], dict, tuple[LeverResult, ...]] | None = None
     for names, base in tier.bases:
+        floors = (_merged(base, free) for free in tier.leanest)
+        if not any(_floor_fits(bench, recipe, floor, checkpointable) for floor in floors):
+            continue  # the leanest free levers with every costed one do not fit: none do
         for free in tier.free:
             changes = _merged(base, free)
             variants = _fitting_variants(bench, recipe, changes, throughput, best, checkpointable)
@@ -531,10 +544,7 @@ def _fitting_variants(
         and not changes.get("optimizer_in_backward")
         and not recipe.optimizer_in_backward
     )
-    floor = {**changes, **ckpt, **offload}
-    if can_accumulate:
-        floor.update(batch_size=1, grad_accum=recipe.grad_accum * recipe.batch_size)
-    if not bench.fits(_apply(recipe, floor)):
+    if not _floor_fits(bench, recipe, changes, checkpointable):
         return []
     if bench.fits(_apply(recipe, changes)):
         return [changes]
@@ -550,6 +560,26 @@ def _fitting_variants(
                 found.append(_selective(bench, recipe, trial))
                 break
     return found
+
+
+def _floor_fits(bench: Workbench, recipe: Recipe, changes: dict, checkpointable: bool) -> bool:
+    """Whether ``changes`` fit with every costed lever at once: all blocks recomputed,
+    activations offloaded, one sample per micro-batch (where gradients can accumulate)."""
+    floor = dict(changes)
+    if recipe.is_training:
+        floor.update({"checkpointing": "full"} if checkpointable else {})
+        floor.update({} if recipe.activation_offload else {"activation_offload": True})
+        if recipe.batch_size > 1 and not (
+            changes.get("optimizer_in_backward") or recipe.optimizer_in_backward
+        ):
+            floor.update(batch_size=1, grad_accum=recipe.grad_accum * recipe.batch_size)
+    return bench.fits(_apply(recipe, floor))
+
+
+def _weights_leave_room(estimate: Estimate) -> bool:
+    """Whether the weights alone (as a precision lever stores them) are under the usable
+    line: full training with fp32 master weights cannot fit otherwise."""
+    return estimate.model.parameter_bytes < estimate.verdict.usable_bytes
 
 
 def _costs_more(
