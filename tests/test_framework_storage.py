@@ -147,3 +147,40 @@ def test_lora_blocks_repeat_exactly(tmp_path, monkeypatch):
     assert repeated.peak.allocated_bytes == full.peak.allocated_bytes
     assert repeated.phase_peaks == full.phase_peaks
     assert same_events(repeated_trace, full_trace)
+
+
+# -- the storage flags on max-batch and plan -------------------------------------------------
+
+
+def test_max_batch_with_the_shift_copy_stops_where_the_copy_no_longer_fits(tiny_llama, run_cli):
+    """``max-batch --loss-shift-copy`` searches the step with the old loss's copy: its answer
+    N is traced with the copy (N + 1 does not fit), and it is smaller than without the flag
+    (the plain step at N + 1 still fits)."""
+    import vramplan
+
+    knobs = dict(seq_len=SEQ, precision="bf16", gpu_memory="1800MiB")
+    args = ["--seq-len", str(SEQ), "--precision", "bf16", "--gpu-memory", "1800MiB"]
+    code, out, err = run_cli("max-batch", tiny_llama, *args, "--loss-shift-copy", "--json")
+    assert code == 0, err
+    answer = json.loads(out)
+    largest = answer["max_batch_size"]
+    assert answer["estimate"]["recipe"]["loss_shift_copy"] is True
+    assert answer["next"]["status"] != "fits"
+    with_copy = vramplan.estimate(tiny_llama, batch_size=largest, loss_shift_copy=True, **knobs)
+    assert answer["estimate"]["peak"] == with_copy.peak.to_json()
+    plain = vramplan.estimate(tiny_llama, batch_size=largest + 1, **knobs)
+    assert plain.verdict.status == "fits"
+
+
+def test_plan_stores_weights_as_the_storage_flags_say(tiny_llama, run_cli):
+    """``plan --weights-dtype bf16 --keep-fp32 '*norm*'``: the planned step's weights are
+    bf16 but for the RMSNorm weights, byte for byte (without the flags: fp32 all through)."""
+    args = ["--seq-len", "16", "--optimizer", "sgd", "--gpu-memory", "1800MiB", "--json"]
+    storage = ["--precision", "amp-bf16", "--weights-dtype", "bf16", "--keep-fp32", "*norm*"]
+    code, out, err = run_cli("plan", tiny_llama, *args, *storage)
+    assert code == 0, err
+    model = json.loads(out)["estimate"]["model"]
+    hidden, layers = TINY_LLAMA["hidden_size"], TINY_LLAMA["num_hidden_layers"]
+    norms = (2 * layers + 1) * hidden  # two per block and the final one
+    assert model["parameter_bytes"] == 2 * (model["parameters"] - norms) + 4 * norms
+    assert model["parameter_bytes"] != 4 * model["parameters"]

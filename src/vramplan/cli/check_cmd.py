@@ -15,29 +15,20 @@ from vramplan import UserError
 from vramplan.cli.app import app
 from vramplan.cli.config_options import ConfigOpt, OptionalModel, config_lines, with_config
 from vramplan.cli.options import (
-    ActOrderOpt,
+    FINETUNING,
     AllocConfOpt,
     BatchSize,
-    BnbVersionOpt,
     CheckpointingOpt,
-    ComputeDtypeOpt,
     CudnnBenchmarkOpt,
-    DoubleQuantOpt,
     DpOpt,
     FrameworkOpt,
-    FreezeOpt,
     FsdpOpt,
     GpuMemoryOpt,
     GpuOpt,
     GradAccum,
-    GroupSizeOpt,
     HeadroomOpt,
     InputShape,
     JsonOpt,
-    LoraAlphaOpt,
-    LoraDropoutOpt,
-    LoraOpt,
-    LoraTargetsOpt,
     MicrobatchesOpt,
     ModeOpt,
     OffloadOptimizerOpt,
@@ -46,8 +37,6 @@ from vramplan.cli.options import (
     PpOpt,
     PrecisionOpt,
     ProfileOpt,
-    QuantizeOpt,
-    QuantKernelOpt,
     QuietOpt,
     ReshardOpt,
     SeqLen,
@@ -57,7 +46,6 @@ from vramplan.cli.options import (
     TargetOpt,
     TimeoutOpt,
     TpOpt,
-    TrainOnlyOpt,
     UnitsOpt,
     UsedCounterOpt,
     WorldSizeOpt,
@@ -65,6 +53,7 @@ from vramplan.cli.options import (
     layout_from_options,
     recipe_from_options,
     session_from_options,
+    with_options,
 )
 from vramplan.report.check import check_exit_code, check_json, check_line
 from vramplan.report.progress import progress_wanted, trace_progress
@@ -72,6 +61,7 @@ from vramplan.report.render import check_units, print_json
 
 
 @app.command("check")
+@with_options(*FINETUNING)
 def check_command(
     ctx: typer.Context,
     model: OptionalModel = None,
@@ -84,19 +74,6 @@ def check_command(
     checkpointing: CheckpointingOpt = "none",
     grad_accum: GradAccum = 1,
     mode: ModeOpt = "train",
-    lora: LoraOpt = 0,
-    lora_targets: LoraTargetsOpt = None,
-    lora_alpha: LoraAlphaOpt = None,
-    lora_dropout: LoraDropoutOpt = 0.0,
-    freeze: FreezeOpt = None,
-    train_only: TrainOnlyOpt = None,
-    quantize: QuantizeOpt = "none",
-    double_quant: DoubleQuantOpt = False,
-    compute_dtype: ComputeDtypeOpt = None,
-    bnb_version: BnbVersionOpt = None,
-    group_size: GroupSizeOpt = None,
-    quant_kernel: QuantKernelOpt = None,
-    act_order: ActOrderOpt = False,
     target: TargetOpt = "cuda",
     gpu: GpuOpt = None,
     gpu_memory: GpuMemoryOpt = None,
@@ -131,13 +108,14 @@ def check_command(
         ),
     ] = False,
     quiet: QuietOpt = False,
+    **shared,
 ) -> int:
     """Exit 0 when the step fits the card with its headroom free, 3 when it does not (one
     line; --json for the verdict as an object). Needs --gpu or --gpu-memory."""
     check_units(units)
     if gpu is None and gpu_memory is None:
         raise UserError("check needs a card: --gpu NAME or --gpu-memory SIZE")
-    options, training_config = with_config(locals(), ctx)
+    options, training_config = with_config({**locals(), **shared}, ctx)
     recipe = recipe_from_options(options)
     layout = layout_from_options(options)
     with trace_progress(progress_wanted(json_output, quiet)) as progress:

@@ -8,8 +8,11 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
-from typing import Annotated
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
 
 import typer
 
@@ -277,6 +280,70 @@ QuietOpt = Annotated[
 ]
 
 
+# -- groups of options that several commands take, declared once -------------------------
+
+Command = TypeVar("Command", bound=Callable[..., Any])
+
+
+@dataclass(frozen=True)
+class OptionGroup:
+    """Command-line options several commands take, declared once: each option's name, typer
+    annotation and default. ``@with_options(GROUP)`` adds them to a command.
+
+    >>> group = OptionGroup.of(quiet=(QuietOpt, False))
+    >>> group.names, group.parameters()[0].default
+    (('quiet',), False)
+    """
+
+    options: tuple[tuple[str, Any, Any], ...]
+
+    @classmethod
+    def of(cls, **options: tuple[Any, Any]) -> OptionGroup:
+        """A group from ``name=(annotation, default)`` pairs, in that order."""
+        return cls(
+            tuple((name, annotation, default) for name, (annotation, default) in options.items())
+        )
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for name, _, _ in self.options)
+
+    def parameters(self) -> list[inspect.Parameter]:
+        kind = inspect.Parameter.KEYWORD_ONLY
+        return [
+            inspect.Parameter(name, kind, default=default, annotation=annotation)
+            for name, annotation, default in self.options
+        ]
+
+
+def with_options(*groups: OptionGroup) -> Callable[[Command], Command]:
+    """Add ``groups``' options to a typer command after its own; the command receives them
+    in a ``**shared`` keyword parameter (typer reads the signature this sets)::
+
+        @app.command("plan")
+        @with_options(*FINETUNING)
+        def plan_command(ctx: typer.Context, ..., **shared) -> int:
+            options = {**locals(), **shared}
+    """
+
+    def decorate(command: Command) -> Command:
+        signature = inspect.signature(command, eval_str=True)
+        own = [p for p in signature.parameters.values() if p.kind is not p.VAR_KEYWORD]
+        added = [parameter for group in groups for parameter in group.parameters()]
+        clash = {p.name for p in own} & {p.name for p in added}
+        if clash:
+            raise TypeError(f"{command.__name__} declares shared options itself: {sorted(clash)}")
+
+        @functools.wraps(command)
+        def run(**options: Any) -> Any:
+            return command(**options)
+
+        run.__signature__ = signature.replace(parameters=[*own, *added])
+        return run  # type: ignore[return-value]
+
+    return decorate
+
+
 # -- fine-tuning (sources/finetune.py) -----------------------------------------------------
 
 LoraOpt = Annotated[
@@ -366,26 +433,26 @@ ActOrderOpt = Annotated[
     bool, typer.Option("--act-order", help="gptq: act-order (desc_act) checkpoint, g_idx kept.")
 ]
 
-FINETUNE_OPTIONS = (
-    "lora",
-    "lora_targets",
-    "lora_alpha",
-    "lora_dropout",
-    "freeze",
-    "train_only",
-    "quantize",
-    "double_quant",
-    "compute_dtype",
-    "bnb_version",
-    "group_size",
-    "quant_kernel",
-    "act_order",
+FINETUNE_OPTIONS = OptionGroup.of(
+    lora=(LoraOpt, 0),
+    lora_targets=(LoraTargetsOpt, None),
+    lora_alpha=(LoraAlphaOpt, None),
+    lora_dropout=(LoraDropoutOpt, 0.0),
+    freeze=(FreezeOpt, None),
+    train_only=(TrainOnlyOpt, None),
+    quantize=(QuantizeOpt, "none"),
+    double_quant=(DoubleQuantOpt, False),
+    compute_dtype=(ComputeDtypeOpt, None),
+    bnb_version=(BnbVersionOpt, None),
+    group_size=(GroupSizeOpt, None),
+    quant_kernel=(QuantKernelOpt, None),
+    act_order=(ActOrderOpt, False),
 )
 
 
 def finetune_from_options(options: dict) -> dict:
     """The fine-tuning knobs among a command's options (those it has), by Recipe name."""
-    names = FINETUNE_OPTIONS + TRICK_OPTIONS + STORAGE_OPTIONS
+    names = FINETUNE_OPTIONS.names + TRICK_OPTIONS.names + STORAGE_OPTIONS.names
     knobs = {name: options[name] for name in names if name in options}
     if "lora" in knobs:
         knobs["lora_rank"] = knobs.pop("lora")
@@ -445,14 +512,14 @@ CompileOpt = Annotated[
     ),
 ]
 
-TRICK_OPTIONS = (
-    "optimizer_in_backward",
-    "activation_offload",
-    "loss_chunks",
-    "fused_ce",
-    "packing",
-    "dora",
-    "compile",
+TRICK_OPTIONS = OptionGroup.of(
+    optimizer_in_backward=(OptimizerInBackwardOpt, False),
+    activation_offload=(ActivationOffloadOpt, False),
+    loss_chunks=(LossChunksOpt, 0),
+    fused_ce=(FusedCeOpt, False),
+    packing=(PackingOpt, False),
+    dora=(DoraOpt, False),
+    compile=(CompileOpt, False),
 )
 
 # -- how a framework stores the model (trace/storage.py, sources/loss.py) -------------------
@@ -488,7 +555,14 @@ AdditiveMaskOpt = Annotated[
         "even for a batch without one and added to the scores in the weights' dtype.",
     ),
 ]
-STORAGE_OPTIONS = ("weights_dtype", "keep_fp32", "loss_shift_copy", "additive_mask")
+STORAGE_OPTIONS = OptionGroup.of(
+    weights_dtype=(WeightsDtypeOpt, None),
+    keep_fp32=(KeepFp32Opt, None),
+    loss_shift_copy=(LossShiftCopyOpt, False),
+    additive_mask=(AdditiveMaskOpt, False),
+)
+FINETUNING = (FINETUNE_OPTIONS, TRICK_OPTIONS, STORAGE_OPTIONS)
+"""What every command that traces a fine-tuning step takes: ``@with_options(*FINETUNING)``."""
 
 
 TimeoutOpt = Annotated[

@@ -13,32 +13,23 @@ import typer
 from vramplan.cli.app import app
 from vramplan.cli.config_options import ConfigOpt, OptionalModel, config_lines, with_config
 from vramplan.cli.options import (
-    ActivationOffloadOpt,
-    ActOrderOpt,
+    FINETUNING,
     AllocConfOpt,
     AllowCustomObjectsOpt,
     AttentionOpt,
     BatchSize,
-    BnbVersionOpt,
     BoxesPerImageOpt,
     CacheOpt,
     CheckpointingOpt,
-    CompileOpt,
-    ComputeDtypeOpt,
     CudnnBenchmarkOpt,
     DetectionCountsOpt,
     DiffusionEncodersOpt,
-    DoraOpt,
-    DoubleQuantOpt,
     ExpertsOpt,
     FramesOpt,
     FrameworkOpt,
-    FreezeOpt,
-    FusedCeOpt,
     GpuMemoryOpt,
     GpuOpt,
     GradAccum,
-    GroupSizeOpt,
     HeadroomOpt,
     HtmlOpt,
     InputShape,
@@ -46,26 +37,17 @@ from vramplan.cli.options import (
     KvBitsOpt,
     KvGroupSizeOpt,
     KvResidualOpt,
-    LoraAlphaOpt,
-    LoraDropoutOpt,
-    LoraOpt,
-    LoraTargetsOpt,
-    LossChunksOpt,
     ModeOpt,
     MoeRoutingOpt,
     NewTokensOpt,
     NumBeamsOpt,
     NumClassesOpt,
     OptimizerImplOpt,
-    OptimizerInBackwardOpt,
     OptimizerOpt,
-    PackingOpt,
     PlotOpt,
     PrecisionOpt,
     ProfileOpt,
     PromptLenOpt,
-    QuantizeOpt,
-    QuantKernelOpt,
     QuietOpt,
     ResolutionOpt,
     SeqLen,
@@ -75,12 +57,12 @@ from vramplan.cli.options import (
     TfMemoryGrowthOpt,
     TfMemoryLimitOpt,
     TimeoutOpt,
-    TrainOnlyOpt,
     TrustRemoteCodeOpt,
     UnitsOpt,
     UsedCounterOpt,
     recipe_from_options,
     session_from_options,
+    with_options,
 )
 from vramplan.report.config import render_config_lines
 from vramplan.report.outputs import batch_curve_for, check_report_paths, write_reports
@@ -106,6 +88,7 @@ OffloadOpt = Annotated[
 
 
 @app.command("max-batch")
+@with_options(*FINETUNING)
 def max_batch_command(
     ctx: typer.Context,
     model: OptionalModel = None,
@@ -129,19 +112,6 @@ def max_batch_command(
     kv_bits: KvBitsOpt = None,
     kv_group_size: KvGroupSizeOpt = None,
     kv_residual_length: KvResidualOpt = None,
-    lora: LoraOpt = 0,
-    lora_targets: LoraTargetsOpt = None,
-    lora_alpha: LoraAlphaOpt = None,
-    lora_dropout: LoraDropoutOpt = 0.0,
-    freeze: FreezeOpt = None,
-    train_only: TrainOnlyOpt = None,
-    quantize: QuantizeOpt = "none",
-    double_quant: DoubleQuantOpt = False,
-    compute_dtype: ComputeDtypeOpt = None,
-    bnb_version: BnbVersionOpt = None,
-    group_size: GroupSizeOpt = None,
-    quant_kernel: QuantKernelOpt = None,
-    act_order: ActOrderOpt = False,
     boxes_per_image: BoxesPerImageOpt = 20,
     detection_counts: DetectionCountsOpt = "max",
     targets_on_gpu: TargetsOnGpuOpt = "model",
@@ -153,13 +123,6 @@ def max_batch_command(
     experts: ExpertsOpt = None,
     target_len: TargetLenOpt = None,
     num_classes: NumClassesOpt = None,
-    optimizer_in_backward: OptimizerInBackwardOpt = False,
-    activation_offload: ActivationOffloadOpt = False,
-    loss_chunks: LossChunksOpt = 0,
-    fused_ce: FusedCeOpt = False,
-    packing: PackingOpt = False,
-    dora: DoraOpt = False,
-    compile: CompileOpt = False,
     headroom: HeadroomOpt = 0.10,
     alloc_conf: AllocConfOpt = None,
     cudnn_benchmark: CudnnBenchmarkOpt = False,
@@ -175,10 +138,11 @@ def max_batch_command(
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
     quiet: QuietOpt = False,
+    **shared,
 ) -> int:
     """The largest batch (or --search seq-len: the longest context) that fits the card."""
     check_units(units)
-    options, training_config = with_config(locals(), ctx)
+    options, training_config = with_config({**locals(), **shared}, ctx)
     recipe = recipe_from_options(options)
     with trace_progress(progress_wanted(json_output, quiet)) as progress:
         session = session_from_options(options, progress=progress)
@@ -193,6 +157,7 @@ def max_batch_command(
 
 
 @app.command("plan")
+@with_options(*FINETUNING)
 def plan_command(
     ctx: typer.Context,
     model: OptionalModel = None,
@@ -208,19 +173,6 @@ def plan_command(
     checkpointing: CheckpointingOpt = "none",
     grad_accum: GradAccum = 1,
     mode: ModeOpt = "train",
-    lora: LoraOpt = 0,
-    lora_targets: LoraTargetsOpt = None,
-    lora_alpha: LoraAlphaOpt = None,
-    lora_dropout: LoraDropoutOpt = 0.0,
-    freeze: FreezeOpt = None,
-    train_only: TrainOnlyOpt = None,
-    quantize: QuantizeOpt = "none",
-    double_quant: DoubleQuantOpt = False,
-    compute_dtype: ComputeDtypeOpt = None,
-    bnb_version: BnbVersionOpt = None,
-    group_size: GroupSizeOpt = None,
-    quant_kernel: QuantKernelOpt = None,
-    act_order: ActOrderOpt = False,
     boxes_per_image: BoxesPerImageOpt = 20,
     detection_counts: DetectionCountsOpt = "max",
     targets_on_gpu: TargetsOnGpuOpt = "model",
@@ -232,13 +184,6 @@ def plan_command(
     experts: ExpertsOpt = None,
     target_len: TargetLenOpt = None,
     num_classes: NumClassesOpt = None,
-    optimizer_in_backward: OptimizerInBackwardOpt = False,
-    activation_offload: ActivationOffloadOpt = False,
-    loss_chunks: LossChunksOpt = 0,
-    fused_ce: FusedCeOpt = False,
-    packing: PackingOpt = False,
-    dora: DoraOpt = False,
-    compile: CompileOpt = False,
     headroom: HeadroomOpt = 0.10,
     alloc_conf: AllocConfOpt = None,
     cudnn_benchmark: CudnnBenchmarkOpt = False,
@@ -259,11 +204,12 @@ def plan_command(
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
     quiet: QuietOpt = False,
+    **shared,
 ) -> int:
     """Rank the levers that cut memory and give the first plan that fits; without --gpu,
     judge every catalog GPU."""
     check_units(units)
-    options, training_config = with_config(locals(), ctx)
+    options, training_config = with_config({**locals(), **shared}, ctx)
     recipe = recipe_from_options(options)
     check_report_paths(html, plot)
     with trace_progress(progress_wanted(json_output, quiet)) as progress:

@@ -1,9 +1,12 @@
 """The levers that cut a step's memory, ranked, and the first plan that fits.
 
 Levers come in the standard order of the literature: mixed precision, activation
-checkpointing, a lighter optimizer, gradient accumulation (keeping the effective batch).
+checkpointing, a lighter optimizer, gradient accumulation (keeping the effective batch),
+then torchtune's tricks and, for a language model being fine-tuned, LoRA and QLoRA.
 Every lever's figure is traced, not guessed; its cost is measured where it can be (extra
-FLOPs of recomputation, counted by PyTorch's FlopCounterMode on the fake step)::
+FLOPs of recomputation, counted by PyTorch's FlopCounterMode on the fake step). The first
+plan combines them and, among the combinations that fit, takes the one with the least
+modelled step time (``throughput.py``)::
 
     result = plan_levers(bench, Recipe(batch_size=64))
     result.plan.flags   # e.g. '--precision amp-bf16 --checkpointing 6'
@@ -14,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vramplan.planner.bench import Workbench
+from vramplan.planner.throughput import Throughput
 from vramplan.recipe import FUSED_OPTIMIZERS, Recipe
 from vramplan.result import Estimate
 
@@ -38,14 +42,6 @@ FLAG_NAMES = {
 LORA = {"lora_rank": 16, "lora_targets": "all-linear"}
 QLORA = {"quantize": "nf4", "double_quant": True, **LORA}
 FINETUNE_LEVERS = ("LoRA", "QLoRA")
-# Shown alone in the table; the first plan combines only the standard levers (each trick
-# would multiply the traces the search runs).
-TRICK_LEVERS = (
-    "paged 8-bit AdamW",
-    "optimizer step in backward",
-    "activation offloading",
-    "chunked loss",
-)
 
 
 @dataclass(frozen=True)
@@ -175,7 +171,8 @@ def _candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]
 
 def _trick_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]]:
     """torchtune's memory savers that keep full training: a paged 8-bit optimizer, the
-    optimizer step in backward, activation offloading, and (causal LMs) a chunked loss."""
+    optimizer step in backward, activation offloading, and (causal LMs) a chunked loss, which
+    replaces the model's own loss (so not beside ``--loss-shift-copy``, which describes it)."""
     if not recipe.is_training:
         return []
     found = []
@@ -214,7 +211,7 @@ def _trick_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict,
         )
     if (
         bench.model.startswith("hf:")
-        and not (recipe.loss_chunks or recipe.fused_ce)
+        and not (recipe.loss_chunks or recipe.fused_ce or recipe.loss_shift_copy)
         and bench.estimate(recipe).model.kind == "causal-lm"
     ):
         found.append(
@@ -305,17 +302,19 @@ def _result(
     changes: dict,
     cost: dict,
     baseline: Estimate,
-    base_flops: int | None,
+    throughput: Throughput | None,
 ) -> LeverResult:
-    estimate = bench.estimate(_apply(recipe, changes))
+    changed = _apply(recipe, changes)
+    estimate = bench.estimate(changed)
     cost = dict(cost)
-    if changes.get("checkpointing", "none") != "none" and base_flops:
-        flops = step_flops(bench, _apply(recipe, changes))
-        cost["recompute_fraction"] = round(flops / base_flops - 1.0, 4)
+    if changes.get("checkpointing", "none") != "none" and throughput is not None:
+        cost["recompute_fraction"] = round(throughput.recompute_fraction(changed), 4)
     if "grad_accum" in changes:
         cost["micro_steps_per_optimizer_step"] = changes["grad_accum"]
     if "lora_rank" in changes:
         cost["trainable_parameters"] = estimate.model.trainable_parameters
+    if "quantize" in changes and throughput is not None:
+        cost["dequantized_per_pass_bytes"] = throughput.dequantized_bytes(changed)
     host = estimate.details.get("host_bytes")
     if host:
         cost["host_bytes"] = sum(host.values())
@@ -327,13 +326,15 @@ def _result(
 def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
     """Every lever alone, ranked in the standard order, then the first plan that fits."""
     baseline = bench.estimate(recipe)
-    base_flops = step_flops(bench, recipe) if recipe.is_training else None
+    throughput = Throughput(bench) if recipe.is_training else None
+    if throughput is not None:
+        throughput.count(recipe, step_flops(bench, recipe))
     candidates = _candidates(bench, recipe)
     wants_blocks = any("checkpointing" in changes for _, changes, _ in candidates)
     if wants_blocks and not bench.built(recipe).blocks:  # nothing repeats: no blocks
         candidates = [c for c in candidates if "checkpointing" not in c[1]]
     levers = [
-        _result(bench, recipe, name, changes, cost, baseline, base_flops)
+        _result(bench, recipe, name, changes, cost, baseline, throughput)
         for name, changes, cost in candidates
     ]
     if recipe.is_training and recipe.batch_size > 1 and not recipe.optimizer_in_backward:
@@ -348,23 +349,18 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
         if accumulation is not None:
             levers.append(
                 _result(
-                    bench, recipe, "gradient accumulation", accumulation, {}, baseline, base_flops
+                    bench, recipe, "gradient accumulation", accumulation, {}, baseline, throughput
                 )
             )
     notes = [
         "sharding (ZeRO/FSDP) and CPU offload are not levers in this table: the GPUs-needed "
         "answer covers them (per-rank ZeRO layouts, FSDP2 traced)"
     ]
-    if any(lever.name in TRICK_LEVERS for lever in levers):
-        notes.append(
-            "paged 8-bit AdamW, the optimizer step in backward, activation offloading and the "
-            "chunked loss are traced alone; the first plan combines the standard levers only"
-        )
-    plan = (
-        None
-        if baseline.verdict.status == "fits"
-        else _first_plan(bench, recipe, levers, baseline, base_flops)
-    )
+    plan = None
+    if baseline.verdict.status != "fits":
+        plan = _first_plan(bench, recipe, levers, baseline, throughput)
+        if throughput is not None and plan is not None:
+            notes.append(throughput.note)
     if baseline.verdict.status != "fits" and plan is None:
         notes.append(
             "no combination of these levers fits this card at this batch: "
@@ -373,50 +369,234 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
     return PlanResult(baseline, tuple(levers), plan, tuple(notes))
 
 
+# -- the first plan ------------------------------------------------------------------------
+
+COSTED_KEYS = ("checkpointing", "activation_offload", "batch_size", "grad_accum")
+"""What the levers that cost throughput change (the rest of a plan costs nothing)."""
+IN_BACKWARD = "optimizer step in backward"
+"""Free too, but it cannot accumulate gradients: it joins the plans that keep the batch."""
+
+
+@dataclass(frozen=True)
+class _Tier:
+    """Plans that train the same thing: each base (a precision, perhaps adapters) with
+    the free levers that suit it."""
+
+    bases: tuple[tuple[tuple[str, ...], dict], ...]
+    free: tuple[tuple[LeverResult, ...], ...]
+    """Sets of free levers to try on each base, in order, until one fits."""
+    leanest: tuple[tuple[LeverResult, ...], ...]
+    """The sets that leave the most room (a paged optimizer's rather than a plain one's):
+    where none of them fits a base with every costed lever, nothing does."""
+    first_base_wins: bool
+    """Full training keeps mixed precision whenever it fits at all (bf16 weights round
+    small updates away, whatever they save); adapters compete on time."""
+
+
 def _first_plan(
     bench: Workbench,
     recipe: Recipe,
     levers: list[LeverResult],
     baseline: Estimate,
-    base_flops: int | None,
+    throughput: Throughput | None,
 ) -> LeverResult | None:
-    """The smallest set of levers, in the standard order, that fits: a single lever if one
-    does, else growing prefixes (precision, + checkpointing, + optimizer) — with mixed
-    precision first, then bf16 weights — each tried with gradient accumulation when it
-    does not fit alone; checkpointing is then trimmed to the fewest blocks that still fit."""
-    singles = [lever for lever in levers if lever.name != "Adafactor"]
-    for lever in singles:
-        if lever.status == "fits":
-            changes = _selective(bench, recipe, lever.changes)
-            return _result(bench, recipe, lever.name, changes, lever.cost, baseline, base_flops)
-    precisions = [lever for lever in singles if "precision" in lever.changes] or [None]
-    others = [
-        lever
-        for lever in singles
-        if "precision" not in lever.changes
-        and lever.name != "gradient accumulation"
-        and lever.name not in FINETUNE_LEVERS
-        and lever.name not in TRICK_LEVERS
-    ]
-    for precision in precisions:
-        changes = dict(precision.changes) if precision else {}
-        names = [precision.name] if precision else []
-        for lever in [None, *others]:
-            if lever is not None:
-                changes, names = combined(changes, names, lever)
-            if not changes:
-                continue
-            trial = (
-                changes
-                if bench.fits(_apply(recipe, changes))
-                else (_accumulate(bench, recipe, changes) if recipe.batch_size > 1 else None)
-            )
+    """The plan that fits with the least modelled step time. Full training comes first
+    (precision, a fused or 8-bit optimizer, the optimizer step in backward, a chunked
+    loss; then checkpointing, activation offloading or gradient accumulation); only
+    when none of it fits, LoRA and QLoRA. Among the plans of a tier that fit, the
+    cheapest in throughput wins (``throughput.py``): the user's batch is kept where a
+    memory lever allows it at less cost than accumulating; checkpointing is trimmed to
+    the fewest blocks, and free levers the plan does not need are dropped."""
+    by_name = {lever.name: lever for lever in levers}
+    precisions = [lever for lever in levers if "precision" in lever.changes] or [None]
+    full_bases = tuple(
+        (((p.name,) if p else ()), dict(p.changes) if p else {})
+        for p in precisions
+        if p is None or _weights_leave_room(p.estimate)
+    )
+    in_backward = by_name.get(IN_BACKWARD)
+    free_full = []
+    for optimizer in ("8-bit Adam", "paged 8-bit AdamW"):  # paged: when plain does not fit
+        levers_in = [by_name.get(n) for n in ("fused optimizer", optimizer, "chunked loss")]
+        free = tuple(lever for lever in levers_in if lever is not None)
+        with_step = ((*free, in_backward),) if in_backward is not None else ()
+        free_full += [s for s in (*with_step, free) if s not in free_full]
+    paged = by_name.get("paged 8-bit AdamW")
+    leanest = tuple(f for f in free_full if paged is None or paged in f)
+    tiers = [_Tier(full_bases, tuple(free_full), leanest, True)]
+    adapters = [by_name[n] for n in FINETUNE_LEVERS if n in by_name]
+    if adapters:
+        leanest = precisions[-1]  # a frozen base needs no fp32 master weights
+        head = ((leanest.name,), dict(leanest.changes)) if leanest else ((), {})
+        bases = tuple(((*head[0], a.name), {**head[1], **a.changes}) for a in adapters)
+        chunked = by_name.get("chunked loss")
+        free = ((chunked,) if chunked else (),)
+        tiers.append(_Tier(bases, free, free, False))
+    checkpointable = "activation checkpointing" in by_name
+    for tier in tiers:
+        found = _cheapest(bench, recipe, tier, throughput, checkpointable)
+        if found is not None:
+            names, changes, free = found
+            cost = {}
+            if throughput is not None:
+                cost["modelled_overhead"] = round(
+                    throughput.step_time(_apply(recipe, changes)).overhead, 4
+                )
+            for adapter in adapters:
+                if adapter.name in names:
+                    cost = {**adapter.cost, **cost}
+            label = " + ".join([*names, *(f.name for f in free), *_costed_names(recipe, changes)])
+            return _result(bench, recipe, label, changes, cost, baseline, throughput)
+    return None
+
+
+def _costed_names(recipe: Recipe, changes: dict) -> list[str]:
+    names = []
+    if changes.get("checkpointing", recipe.checkpointing) != recipe.checkpointing:
+        names.append("activation checkpointing")
+    if changes.get("activation_offload") and not recipe.activation_offload:
+        names.append("activation offloading")
+    if "grad_accum" in changes:
+        names.append("gradient accumulation")
+    return names
+
+
+def _merged(base: dict, free: tuple[LeverResult, ...]) -> dict:
+    changes, names = dict(base), []
+    for lever in free:
+        changes, names = combined(changes, names, lever)
+    return changes
+
+
+def _cheapest(
+    bench: Workbench,
+    recipe: Recipe,
+    tier: _Tier,
+    throughput: Throughput | None,
+    checkpointable: bool,
+) -> tuple[tuple[str, ...], dict, tuple[LeverResult, ...]] | None:
+    """The fitting plan of ``tier`` with the least modelled step time: (base names,
+    changes, free levers kept)."""
+    best: tuple[float, tuple[str, ...], dict, tuple[LeverResult, ...]] | None = None
+    for names, base in tier.bases:
+        floors = (_merged(base, free) for free in tier.leanest)
+        if not any(_floor_fits(bench, recipe, floor, checkpointable) for floor in floors):
+            continue  # the leanest free levers with every costed one do not fit: none do
+        for free in tier.free:
+            changes = _merged(base, free)
+            variants = _fitting_variants(bench, recipe, changes, throughput, best, checkpointable)
+            for variant in variants:
+                seconds = throughput.step_time(_apply(recipe, variant)).seconds if throughput else 0
+                if best is None or seconds < best[0]:
+                    best = (seconds, names, variant, free)
+            if variants:
+                break  # the base fits: the next sets are for when it does not
+        if best is not None and (tier.first_base_wins or throughput is None):
+            break
+    if best is None:
+        return None
+    _, names, changes, free = best
+    return _without_unneeded(bench, recipe, names, changes, free, tier)
+
+
+def _fitting_variants(
+    bench: Workbench,
+    recipe: Recipe,
+    changes: dict,
+    throughput: Throughput | None,
+    best: tuple | None,
+    checkpointable: bool,
+) -> list[dict]:
+    """The ways ``changes`` fit at the least cost each: as they are; at the user's batch
+    with the fewest recomputed blocks, or all of them and activation offloading; with the
+    fewest micro-batches (and the fewest recomputed blocks). Nothing when even every
+    costed lever at once does not fit."""
+    training = recipe.is_training
+    ckpt = {"checkpointing": "full"} if checkpointable else {}
+    offload = {"activation_offload": True} if training and not recipe.activation_offload else {}
+    can_accumulate = (
+        training
+        and recipe.batch_size > 1
+        and not changes.get("optimizer_in_backward")
+        and not recipe.optimizer_in_backward
+    )
+    if not _floor_fits(bench, recipe, changes, checkpointable):
+        return []
+    if bench.fits(_apply(recipe, changes)):
+        return [changes]
+    found = []
+    if ckpt and bench.fits(_apply(recipe, {**changes, **ckpt})):
+        found.append(_selective(bench, recipe, {**changes, **ckpt}))
+    elif offload and bench.fits(_apply(recipe, {**changes, **ckpt, **offload})):
+        found.append(_selective(bench, recipe, {**changes, **ckpt, **offload}))
+    if can_accumulate and not _costs_more(bench, recipe, changes, throughput, found, best):
+        for costed in ({**changes, **ckpt}, {**changes, **ckpt, **offload}):
+            trial = _accumulate(bench, recipe, costed)
             if trial is not None:
-                trial = _selective(bench, recipe, trial)
-                label = names + (["gradient accumulation"] if "grad_accum" in trial else [])
-                return _result(bench, recipe, " + ".join(label), trial, {}, baseline, base_flops)
-    finetunes = [lever for lever in singles if lever.name in FINETUNE_LEVERS]
-    return _finetune_plan(bench, recipe, finetunes, precisions, baseline, base_flops)
+                found.append(_selective(bench, recipe, trial))
+                break
+    return found
+
+
+def _floor_fits(bench: Workbench, recipe: Recipe, changes: dict, checkpointable: bool) -> bool:
+    """Whether ``changes`` fit with every costed lever at once: all blocks recomputed,
+    activations offloaded, one sample per micro-batch (where gradients can accumulate)."""
+    floor = dict(changes)
+    if recipe.is_training:
+        floor.update({"checkpointing": "full"} if checkpointable else {})
+        floor.update({} if recipe.activation_offload else {"activation_offload": True})
+        if recipe.batch_size > 1 and not (
+            changes.get("optimizer_in_backward") or recipe.optimizer_in_backward
+        ):
+            floor.update(batch_size=1, grad_accum=recipe.grad_accum * recipe.batch_size)
+    return bench.fits(_apply(recipe, floor))
+
+
+def _weights_leave_room(estimate: Estimate) -> bool:
+    """Whether the weights alone (as a precision lever stores them) are under the usable
+    line: full training with fp32 master weights cannot fit otherwise."""
+    return estimate.model.parameter_bytes < estimate.verdict.usable_bytes
+
+
+def _costs_more(
+    bench: Workbench,
+    recipe: Recipe,
+    changes: dict,
+    throughput: Throughput | None,
+    found: list[dict],
+    best: tuple | None,
+) -> bool:
+    """Whether accumulating (two micro-batches at least) cannot beat what is found."""
+    if throughput is None:
+        return bool(found)
+    times = [throughput.step_time(_apply(recipe, f)).seconds for f in found]
+    times += [best[0]] if best is not None else []
+    if not times or recipe.batch_size % 2:
+        return False
+    halves = _apply(recipe, {**changes, "batch_size": recipe.batch_size // 2,
+                             "grad_accum": recipe.grad_accum * 2})  # fmt: skip
+    parameters = bench.estimate(_apply(recipe, changes)).model.parameter_bytes
+    return throughput.at_least(halves, parameters) >= min(times)
+
+
+def _without_unneeded(
+    bench: Workbench,
+    recipe: Recipe,
+    names: tuple[str, ...],
+    changes: dict,
+    free: tuple[LeverResult, ...],
+    tier: _Tier,
+) -> tuple[tuple[str, ...], dict, tuple[LeverResult, ...]]:
+    """The plan without the free levers it fits without (the last to join dropped
+    first): fewer changes to make, the same modelled time."""
+    base = next(b for n, b in tier.bases if n == names)
+    costed = {k: changes[k] for k in COSTED_KEYS if k in changes}
+    kept = list(free)
+    for lever in reversed(free):
+        trial = [f for f in kept if f is not lever]
+        if bench.fits(_apply(recipe, {**_merged(base, tuple(trial)), **costed})):
+            kept = trial
+    return names, {**_merged(base, tuple(kept)), **costed}, tuple(kept)
 
 
 def combined(changes: dict, names: list[str], lever: LeverResult) -> tuple[dict, list[str]]:
@@ -435,35 +615,3 @@ def combined(changes: dict, names: list[str], lever: LeverResult) -> tuple[dict,
     if unfusable and merged.pop("optimizer_impl", None) is not None:
         names = [name for name in names if name != "fused optimizer"]
     return merged, [*names, lever.name]
-
-
-def _finetune_plan(
-    bench: Workbench,
-    recipe: Recipe,
-    finetunes: list[LeverResult],
-    precisions: list[LeverResult | None],
-    baseline: Estimate,
-    base_flops: int | None,
-) -> LeverResult | None:
-    """LoRA, then QLoRA, with each precision, then with checkpointing too (and gradient
-    accumulation when needed): the first that fits, checkpointing trimmed."""
-    ckpt = {"checkpointing": "full"} if recipe.checkpointing == "none" else {}
-    for finetune in finetunes:
-        for precision in precisions:
-            base = {**(precision.changes if precision else {}), **finetune.changes}
-            names = [*([precision.name] if precision else []), finetune.name]
-            for extra, extra_names in (({}, []), (ckpt, ["activation checkpointing"])):
-                if extra_names and not extra:
-                    continue
-                changes = {**base, **extra}
-                trial = (
-                    changes
-                    if bench.fits(_apply(recipe, changes))
-                    else (_accumulate(bench, recipe, changes) if recipe.batch_size > 1 else None)
-                )
-                if trial is not None:
-                    trial = _selective(bench, recipe, trial)
-                    accum = ["gradient accumulation"] if "grad_accum" in trial else []
-                    label = " + ".join(names + extra_names + accum)
-                    return _result(bench, recipe, label, trial, finetune.cost, baseline, base_flops)
-    return None
