@@ -52,3 +52,47 @@ def _kept_from_the_linear(stack: str) -> list[int]:
 def test_a_pre_1_11_stack_keeps_the_fp16_softmax_input_and_a_later_one_does_not():
     assert _kept_from_the_linear("torch1.10-cu11.2") == [BATCH * HIDDEN * 2]
     assert _kept_from_the_linear("torch1.11-cu11.3") == []
+
+
+def _appending(saved: list):
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    return pack
+
+
+def _same(tensor):
+    return tensor
+
+
+def test_cross_entropy_keeps_its_logits_and_its_loss_and_gradient_are_unchanged():
+    """ATen's cross_entropy is log_softmax then nll_loss: before 1.11 the logits stayed."""
+    torch.manual_seed(0)
+    logits = torch.randn(BATCH, HIDDEN, requires_grad=True)
+    target = torch.randint(0, HIDDEN, (BATCH,))
+    target[0] = -100  # ignored
+    class_weights = torch.linspace(0.5, 1.5, HIDDEN)
+    for kwargs in ({}, {"weight": class_weights, "reduction": "sum"}):
+        expected_loss = nn.functional.cross_entropy(logits, target, **kwargs)
+        expected = torch.autograd.grad(expected_loss, logits)[0]
+        saved: list[torch.Tensor] = []
+        hooks = torch.autograd.graph.saved_tensors_hooks(_appending(saved), _same)
+        with hooks, keeping_softmax_input():
+            loss = nn.functional.cross_entropy(logits, target, **kwargs)
+        assert any(t is logits for t in saved)
+        torch.testing.assert_close(loss, expected_loss)
+        torch.testing.assert_close(torch.autograd.grad(loss, logits)[0], expected)
+
+
+def test_label_smoothing_runs_pytorchs_own_cross_entropy():
+    logits = torch.randn(BATCH, HIDDEN, requires_grad=True)
+    target = torch.randint(0, HIDDEN, (BATCH,))
+    saved = []
+    hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t)
+    with hooks, keeping_softmax_input():
+        loss = nn.functional.cross_entropy(logits, target, label_smoothing=0.1)
+    assert not any(t is logits for t in saved)
+    torch.testing.assert_close(
+        loss, nn.functional.cross_entropy(logits, target, label_smoothing=0.1)
+    )

@@ -9,9 +9,11 @@ the dtype instead; transformers' ``pytorch_utils.softmax_backward_data`` switche
 
 The input kept is the one the call received: on CUDA an fp16 input with ``dtype=float32``
 (autocast's softmax) ran ``_softmax(input, dim, half_to_float=True)`` and kept the fp16
-input, not an fp32 copy. While tracing for such a stack, ``keeping_softmax_input`` routes
-softmax and log_softmax of an input that requires a gradient through a function that runs
-the call and saves both:
+input, not an fp32 copy. ``cross_entropy`` is ``log_softmax`` then ``nll_loss`` inside
+ATen, so it kept its logits too. While tracing for such a stack, ``keeping_softmax_input``
+routes softmax and log_softmax of an input that requires a gradient (and cross_entropy's,
+for class-index targets without smoothing) through a function that runs the call and saves
+both:
 
 >>> x = torch.randn(2, 3, requires_grad=True)
 >>> saved = []
@@ -27,6 +29,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.nn.functional as F
 
 from vramplan.trace.patching import patched
 
@@ -67,14 +70,47 @@ def _keeping(original, log: bool):
     return call
 
 
+def _composed_cross_entropy(original):
+    """``cross_entropy`` as ATen composes it (``log_softmax`` over the class dimension, then
+    ``nll_loss``), so the patched ``log_softmax`` keeps the logits; soft targets and label
+    smoothing run ``original``."""
+
+    def cross_entropy(
+        input,
+        target,
+        weight=None,
+        size_average=None,
+        ignore_index=-100,
+        reduce=None,
+        reduction="mean",
+        label_smoothing=0.0,
+    ):
+        if label_smoothing or target.is_floating_point():
+            return original(
+                input,
+                target,
+                weight,
+                size_average,
+                ignore_index,
+                reduce,
+                reduction,
+                label_smoothing,
+            )
+        log_probs = torch.log_softmax(input, 1 if input.dim() > 1 else 0)
+        return F.nll_loss(log_probs, target, weight, size_average, ignore_index, reduce, reduction)
+
+    return cross_entropy
+
+
 def keeping_softmax_input() -> contextlib.AbstractContextManager:
     """Trace softmax/log_softmax as autograd before PyTorch 1.11 saved them (module
     docstring): ``torch.softmax``, ``torch.log_softmax`` and the ``Tensor`` methods
     ``F.softmax`` and ``F.log_softmax`` call are replaced for the block (``patching.py``:
     a ``TorchFunctionMode`` steps aside while it handles ``backward()``, where a
     checkpoint recomputes its forward)."""
-    return patched(
+    softmaxes = [
         (owner, name, _keeping(getattr(owner, name), name == "log_softmax"))
         for owner in (torch, torch.Tensor)
         for name in ("softmax", "log_softmax")
-    )
+    ]
+    return patched([*softmaxes, (F, "cross_entropy", _composed_cross_entropy(F.cross_entropy))])
