@@ -303,9 +303,11 @@ def test_torchtune(tmp_path):
     assert recipe.lora_targets == "q_proj,v_proj,o_proj"  # torchtune's output_proj
     assert (recipe.precision, recipe.checkpointing) == ("bf16", "full")
     assert recipe.compile  # compile: True, traced as torchtune compiles (trace/compiled.py)
-    notes = " ".join(config.notes)
+    # the memory savers vramplan traces become their flags
+    assert (recipe.activation_offload, recipe.loss_chunks) == (True, 8)
+    honoured = " ".join(config.honoured)
     for field in ("enable_activation_offloading", "loss._component_"):
-        assert field in notes
+        assert field in honoured and field not in " ".join(config.notes)
     assert "checkpointer.*" in config.ignored and "metric_logger.*" in config.ignored
 
 
@@ -398,6 +400,8 @@ def test_torchtune_recipe_gives_the_flags_estimate(tmp_path, llama):
         lora_alpha=8,
         lora_targets="q_proj,v_proj,o_proj",
         compile=True,
+        activation_offload=True,
+        loss_chunks=8,
     )
     same(from_config, vramplan.Session(llama, gpu="t4").estimate(flags).to_json())
 

@@ -39,6 +39,10 @@ RECIPE_OPTIONS = (
     "double_quant",
     "compute_dtype",
     "compile",
+    "optimizer_in_backward",
+    "activation_offload",
+    "loss_chunks",
+    "dora",
 )
 LAYOUT_OPTIONS = tuple(inspect.signature(layout_from_flags).parameters)
 """The parallel-layout flags: the keyword arguments of ``layout_from_flags``."""

@@ -32,14 +32,18 @@ MODELS = {
 with the same shapes (Llama 3.1 differs from Llama 3 only in RoPE scaling and context)."""
 ATTENTION = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
 MLP = ("gate_proj", "up_proj", "down_proj")
-_NOT_MODELLED = {
-    "enable_activation_offloading": "activations offloaded to the CPU are not modelled "
-    "(counted on the GPU)",
-    "optimizer_in_bwd": "the optimizer step fused into backward (gradients freed early) "
-    "is not modelled",
-    "fsdp_cpu_offload": "FSDP CPU offload is not modelled",
-    "model.use_dora": "DoRA's magnitude vectors are not modelled (counted as LoRA)",
+_NOT_MODELLED = {"fsdp_cpu_offload": "FSDP CPU offload is not modelled"}
+_TRICKS = {
+    "enable_activation_offloading": (
+        "activation_offload",
+        "OffloadActivations: saved tensors to pinned host memory",
+    ),
+    "optimizer_in_bwd": ("optimizer_in_backward", "each parameter's step in its gradient hook"),
+    "model.use_dora": ("dora", "peft's DoRA magnitude vectors"),
 }
+"""torchtune fields that turn on a memory saver vramplan traces, and the flag each is."""
+CHUNKS_DEFAULT = 8
+"""``CEWithChunkedOutputLoss(num_output_chunks=8)``'s default (torchtune/modules/loss)."""
 
 
 def _model(fields: Fields) -> str | None:
@@ -141,16 +145,16 @@ def read_torchtune(fields: Fields) -> str | None:
             "training.compile_model: each decoder layer; compile_loss: the chunked loss's "
             "cross-entropy",
         )
+    for path, (option, why) in _TRICKS.items():
+        if fields.get(path) is True:
+            fields.honour(path, option, True, why)
     for path, reason in _NOT_MODELLED.items():
         if fields.peek(path) not in (None, False):
             fields.note(path, reason)
     loss = fields.peek("loss._component_")
-    if loss and "Chunked" in str(loss):
-        fields.note(
-            "loss._component_",
-            "the chunked cross-entropy (logits upcast chunk by "
-            "chunk) is not modelled: the logits are counted whole",
-        )
+    if loss and "CEWithChunkedOutputLoss" in str(loss):
+        chunks = fields.number("loss.num_output_chunks") or CHUNKS_DEFAULT
+        fields.honour("loss._component_", "loss_chunks", chunks, "the logits upcast chunk by chunk")
     fields.notes.append(
         "a distributed recipe's GPU count comes from `tune run --nproc_per_node`: give --fsdp N"
     )
