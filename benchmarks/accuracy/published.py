@@ -79,6 +79,7 @@ def knobs(text: str) -> dict:
         "activation_offload",
         "fused_ce",
         "loss_shift_copy",
+        "loss_no_upcast",
         "additive_mask",
         "compile",
     )

@@ -480,6 +480,14 @@ LossShiftCopyOpt = Annotated[
         help="Causal LMs: transformers < 4.49's loss (an fp32 copy of the shifted logits).",
     ),
 ]
+LossNoUpcastOpt = Annotated[
+    bool,
+    typer.Option(
+        "--loss-no-upcast",
+        help="With --loss-shift-copy: the shifted copy in the logits' dtype, no fp32 upcast "
+        "(the own loss gpt_bigcode and GPT-2 kept through transformers 4.48).",
+    ),
+]
 AdditiveMaskOpt = Annotated[
     bool,
     typer.Option(
@@ -488,7 +496,13 @@ AdditiveMaskOpt = Annotated[
         "even for a batch without one and added to the scores in the weights' dtype.",
     ),
 ]
-STORAGE_OPTIONS = ("weights_dtype", "keep_fp32", "loss_shift_copy", "additive_mask")
+STORAGE_OPTIONS = (
+    "weights_dtype",
+    "keep_fp32",
+    "loss_shift_copy",
+    "loss_no_upcast",
+    "additive_mask",
+)
 
 
 TimeoutOpt = Annotated[
