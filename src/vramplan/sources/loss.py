@@ -135,10 +135,10 @@ def shift_copy_loss(model: nn.Module, batch: dict, upcast: bool = True) -> torch
     """transformers < 4.49's ``ForCausalLMLoss``: fp32 logits, shifted with a copy. With
     ``upcast=False`` the loss the models that kept their own computed through 4.48
     (``GPTBigCodeForCausalLM.forward``, GPT-2's): ``CrossEntropyLoss`` over a contiguous
-    copy of the shifted logits in their own dtype."""
-    body, head = _parts(model)
+    copy of the shifted logits in their own dtype. The model's own forward makes the
+    logits (so a sharded root's hooks gather its embeddings and head)."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = head(body(**inputs).last_hidden_state)
+    logits = model(**inputs).logits
     # ForCausalLMLoss's upcast is a local: alive until it returns
     source = logits.float() if upcast else logits
     shifted = source[..., :-1, :].contiguous()
