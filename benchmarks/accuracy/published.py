@@ -207,13 +207,11 @@ def _reason(source: dict) -> str:
         return "float8 training or torch.compile: not traced"
     if "sac" in text.split() or "selective op" in text or "op-level sac" in text:
         return "op-level selective activation checkpointing (torchtitan SAC) is not a mode here"
-    if "mixtral" in text:
-        return "Mixtral (MoE expert dispatch) not expressed: no bundled config, not tried here"
-    if "santacoder" in text:
-        return "gpt_bigcode config not bundled; seq 4096 is past santacoder's 2048 positions"
-    if ("lora" in text or "nf4" in text) and "2 gpu" in text:
+    if "mixtral" in text and "nf4" in text:
         return (
-            "LoRA/QLoRA sharded over 2 GPUs (FSDP1): FSDP over a peft/quantized model is not traced"
+            "Mixtral QLoRA: transformers 4.48's experts were nn.Linear layers that bitsandbytes "
+            "quantized; the installed transformers holds them as 3-D parameters, which "
+            "--quantize leaves in bf16"
         )
     if "zero-3" in text and "lora" in text:
         return "LoRA under DeepSpeed ZeRO-3 with CPU offload: ZeRO is formula-only"
