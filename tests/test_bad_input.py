@@ -435,6 +435,7 @@ case(
     "matches no parameter",
 )
 case("estimate-loss-shift-copy-on-cnn", ["estimate", f"{M}:cnn", "--loss-shift-copy"], "causal LM")
+case("estimate-loss-no-upcast-alone", ["estimate", T, "--loss-no-upcast"], "--loss-shift-copy")
 case(
     "estimate-loss-shift-copy-and-chunks",
     ["estimate", T, "--loss-shift-copy", "--loss-chunks", "4"],

@@ -51,6 +51,44 @@ def test_shift_copy_loss_matches_a_real_run_of_transformers_4_48_loss(tiny_llama
     assert abs(traced - real) <= 0.01 * real, (traced, real)
 
 
+def loss_gpt_bigcode_4_48(logits, labels):
+    """transformers 4.48.1 ``GPTBigCodeForCausalLM.forward``'s own loss: the shifted
+    logits copied with ``.contiguous()`` in their own dtype, no upcast."""
+    shift_logits = logits[..., :-1, :].contiguous()
+    shift_labels = labels[..., 1:].contiguous()
+    return torch.nn.CrossEntropyLoss()(
+        shift_logits.view(-1, shift_logits.size(-1)), shift_labels.view(-1)
+    )
+
+
+def test_no_upcast_shift_copy_matches_a_real_run_of_gpt_bigcode_4_48_loss(tiny_llama):
+    """--loss-shift-copy --loss-no-upcast: the traced peak equals a real CPU run of the
+    forward followed by gpt_bigcode's 4.48 loss (bf16 throughout) within 1%, and lies
+    below the upcasting loss's."""
+    knobs = dict(batch_size=BATCH, seq_len=SEQ, optimizer="sgd", precision="bf16")
+    recipe = Recipe(loss_shift_copy=True, loss_no_upcast=True, **knobs)
+    traced = trace_and_estimate(resolve(tiny_llama, recipe), recipe, "cpu")[0].peak.allocated_bytes
+    upcast = Recipe(loss_shift_copy=True, **knobs)
+    upcast_peak = trace_and_estimate(resolve(tiny_llama, upcast), upcast, "cpu")[0]
+    plain = Recipe(**knobs)
+    built = resolve(tiny_llama, plain, "cpu")
+
+    def run(module, batch, training):
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        logits = module(**inputs).logits
+        return loss_gpt_bigcode_4_48(logits, batch["labels"]) if training else logits
+
+    built.run = run
+    real = measure_built(built, plain, "cpu", steps=2).allocated_bytes
+    assert abs(traced - real) <= 0.01 * real, (traced, real)
+    assert traced < upcast_peak.peak.allocated_bytes
+
+
+def test_no_upcast_needs_the_shift_copy():
+    with pytest.raises(UserError, match="--loss-no-upcast"):
+        Recipe(loss_no_upcast=True)
+
+
 def test_shift_copy_costs_one_fp32_copy_of_the_shifted_logits(tiny_llama):
     """In forward, at the loss of a bf16 model, the old loss holds the bf16 logits, their
     fp32 upcast, its shifted copy and the copy's log-softmax; today's the logits, the

@@ -19,6 +19,8 @@ and optimizers before 2.0 looped per parameter. The 2022 BERT rows also name
 
 A ``dp=N`` knob runs the row as one rank of N-GPU plain data parallelism (PyTorch's
 DDP: the reducer's gradient buckets, ``distributed/layout.py``), as the model zoos train.
+An ``fsdp=N`` knob traces one rank of N under PyTorch's FSDP2 (``distributed/fsdp.py``,
+``--fsdp N``), the sharding vramplan traces; rows measured under FSDP1 say so in their note.
 
 The GPUMemNet rows (48-51, 54, 55, 1000-1002) use row 1003, the same setup's measured
 floor (a one-neuron MLP: context, cuBLAS kernels, driver reserve; no cuDNN), as their
@@ -37,6 +39,7 @@ from vramplan.device.options import device_options
 from vramplan.device.profile import DeviceProfile
 from vramplan.device.runtime import driver_reserved_bytes
 from vramplan.distributed.facts import facts_of
+from vramplan.distributed.fsdp import engine_for
 from vramplan.distributed.layout import ParallelLayout, per_rank
 from vramplan.errors import UserError
 from vramplan.pipeline import estimate_built
@@ -79,6 +82,7 @@ def knobs(text: str) -> dict:
         "activation_offload",
         "fused_ce",
         "loss_shift_copy",
+        "loss_no_upcast",
         "additive_mask",
         "compile",
     )
@@ -97,7 +101,12 @@ def knobs(text: str) -> dict:
 def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
     """The estimate of the row's metric, and its [low, high] range (device-level rows)."""
     extra = knobs(row.get("knobs") or "")
-    layout = ParallelLayout(data_parallel=extra.pop("dp", 1))
+    fsdp = extra.pop("fsdp", 0)
+    layout = (
+        ParallelLayout(shard="fsdp", data_parallel=fsdp)
+        if fsdp
+        else ParallelLayout(data_parallel=extra.pop("dp", 1))
+    )
     recipe = Recipe(
         batch_size=int(row["batch_size"]),
         seq_len=int(row["seq_len"]) if row["seq_len"] else None,
@@ -114,8 +123,9 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
     options = device_options(gpu=row["gpu"], used_counter=counter, stack=row.get("stack") or None)
     options = replace(options, profile=_profile(row, options.gpu, counter))
     built = resolve(row["model"], recipe)
-    estimate = estimate_built(built, recipe, "cuda", options)
-    if layout != ParallelLayout():
+    engine = engine_for(layout)
+    estimate = estimate_built(built, recipe, "cuda", options, engine=engine)
+    if engine is None and layout != ParallelLayout():
         estimate = per_rank(estimate, layout, facts_of(built))
     if row["metric"] == "allocated":
         return estimate.peak.allocated_bytes, None
@@ -197,13 +207,11 @@ def _reason(source: dict) -> str:
         return "float8 training or torch.compile: not traced"
     if "sac" in text.split() or "selective op" in text or "op-level sac" in text:
         return "op-level selective activation checkpointing (torchtitan SAC) is not a mode here"
-    if "mixtral" in text:
-        return "Mixtral (MoE expert dispatch) not expressed: no bundled config, not tried here"
-    if "santacoder" in text:
-        return "gpt_bigcode config not bundled; seq 4096 is past santacoder's 2048 positions"
-    if ("lora" in text or "nf4" in text) and "2 gpu" in text:
+    if "mixtral" in text and "nf4" in text:
         return (
-            "LoRA/QLoRA sharded over 2 GPUs (FSDP1): FSDP over a peft/quantized model is not traced"
+            "Mixtral QLoRA: transformers 4.48's experts were nn.Linear layers that bitsandbytes "
+            "quantized; the installed transformers holds them as 3-D parameters, which "
+            "--quantize leaves in bf16"
         )
     if "zero-3" in text and "lora" in text:
         return "LoRA under DeepSpeed ZeRO-3 with CPU offload: ZeRO is formula-only"

@@ -145,10 +145,12 @@ class Recipe:
     zero_grad: str = "auto"
     # How a framework stores and casts (trace/step.py, sources/loss.py): Hugging Face's
     # torch_dtype under bf16=True autocast, fp32 islands (peft adapters, TRL's norms),
-    # transformers < 4.49's loss; transformers 4.x encoders' always-added attention mask.
+    # transformers < 4.49's loss (without the fp32 upcast in models that kept their own,
+    # gpt_bigcode and GPT-2 in 4.48); transformers 4.x encoders' always-added attention mask.
     weights_dtype: str | None = None
     keep_fp32: str | None = None
     loss_shift_copy: bool = False
+    loss_no_upcast: bool = False
     additive_mask: bool = False
 
     def __post_init__(self) -> None:
@@ -598,6 +600,7 @@ STORAGE_DEFAULTS = {
     "weights_dtype": None,
     "keep_fp32": None,
     "loss_shift_copy": False,
+    "loss_no_upcast": False,
     "additive_mask": False,
 }
 
@@ -622,4 +625,9 @@ def _check_storage(recipe: Recipe) -> None:
     if recipe.loss_shift_copy and (recipe.loss_chunks or recipe.fused_ce):
         raise UserError(
             "--loss-shift-copy is transformers' own loss; --loss-chunks and --fused-ce replace it"
+        )
+    if recipe.loss_no_upcast and not recipe.loss_shift_copy:
+        raise UserError(
+            "--loss-no-upcast is a form of --loss-shift-copy (the shifted copy kept in the "
+            "logits' dtype): give both"
         )

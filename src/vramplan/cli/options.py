@@ -547,6 +547,14 @@ LossShiftCopyOpt = Annotated[
         help="Causal LMs: transformers < 4.49's loss (an fp32 copy of the shifted logits).",
     ),
 ]
+LossNoUpcastOpt = Annotated[
+    bool,
+    typer.Option(
+        "--loss-no-upcast",
+        help="With --loss-shift-copy: the shifted copy in the logits' dtype, no fp32 upcast "
+        "(the own loss gpt_bigcode and GPT-2 kept through transformers 4.48).",
+    ),
+]
 AdditiveMaskOpt = Annotated[
     bool,
     typer.Option(
@@ -559,6 +567,7 @@ STORAGE_OPTIONS = OptionGroup.of(
     weights_dtype=(WeightsDtypeOpt, None),
     keep_fp32=(KeepFp32Opt, None),
     loss_shift_copy=(LossShiftCopyOpt, False),
+    loss_no_upcast=(LossNoUpcastOpt, False),
     additive_mask=(AdditiveMaskOpt, False),
 )
 FINETUNING = (FINETUNE_OPTIONS, TRICK_OPTIONS, STORAGE_OPTIONS)

@@ -249,7 +249,10 @@ def apply_loss_and_packing(built: BuiltModel, recipe: Recipe) -> None:
             )
         built.run = loss_run(recipe)
         built.notes.append(
-            "loss: transformers < 4.49's ForCausalLMLoss (fp32 logits, then a contiguous "
+            "loss: the model's own pre-4.49 CrossEntropyLoss (a contiguous copy of the "
+            "shifted logits in their own dtype, no fp32 upcast)"
+            if recipe.loss_no_upcast
+            else "loss: transformers < 4.49's ForCausalLMLoss (fp32 logits, then a contiguous "
             "fp32 copy of the shifted logits)"
         )
     if recipe.loss_chunks or recipe.fused_ce:

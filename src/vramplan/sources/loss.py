@@ -131,13 +131,17 @@ def fused_loss(model: nn.Module, batch: dict) -> torch.Tensor:
     return _FusedLinearCrossEntropy.apply(flat, head.weight, targets.reshape(-1))
 
 
-def shift_copy_loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    """transformers < 4.49's ``ForCausalLMLoss``: fp32 logits, shifted with a copy."""
-    body, head = _parts(model)
+def shift_copy_loss(model: nn.Module, batch: dict, upcast: bool = True) -> torch.Tensor:
+    """transformers < 4.49's ``ForCausalLMLoss``: fp32 logits, shifted with a copy. With
+    ``upcast=False`` the loss the models that kept their own computed through 4.48
+    (``GPTBigCodeForCausalLM.forward``, GPT-2's): ``CrossEntropyLoss`` over a contiguous
+    copy of the shifted logits in their own dtype. The model's own forward makes the
+    logits (so a sharded root's hooks gather its embeddings and head)."""
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    logits = head(body(**inputs).last_hidden_state)
-    upcast = logits.float()  # a local of ForCausalLMLoss: alive until it returns
-    shifted = upcast[..., :-1, :].contiguous()
+    logits = model(**inputs).logits
+    # ForCausalLMLoss's upcast is a local: alive until it returns
+    source = logits.float() if upcast else logits
+    shifted = source[..., :-1, :].contiguous()
     labels = batch["labels"][..., 1:].contiguous()
     return F.cross_entropy(
         shifted.view(-1, shifted.size(-1)), labels.view(-1), ignore_index=IGNORE_INDEX
@@ -153,7 +157,7 @@ def loss_run(recipe: Recipe) -> Callable[[nn.Module, dict, bool], Any]:
         if recipe.fused_ce:
             return fused_loss(module, batch)
         if recipe.loss_shift_copy:
-            return shift_copy_loss(module, batch)
+            return shift_copy_loss(module, batch, upcast=not recipe.loss_no_upcast)
         return chunked_loss(module, batch, recipe.loss_chunks, recipe.compile)
 
     return run
