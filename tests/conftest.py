@@ -60,6 +60,15 @@ TINY_LLAMA = {
     "max_position_embeddings": 128,
     "tie_word_embeddings": False,
 }
+MID_LLAMA = {  # a 340M-parameter Llama: 131M of it embeddings and head
+    **TINY_LLAMA,
+    "hidden_size": 2048,
+    "intermediate_size": 5632,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 16,
+    "vocab_size": 32000,
+    "max_position_embeddings": 2048,
+}
 
 
 @pytest.fixture(scope="session")

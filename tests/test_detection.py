@@ -27,25 +27,33 @@ from torchvision.ops import MultiScaleRoIAlign  # noqa: E402
 SIZE = 96
 
 
-def tiny_mask_rcnn(**options) -> nn.Module:
+def tiny_backbone() -> nn.Module:
+    """Two strided convolutions, 32 output channels: the tiny detectors' feature map."""
     backbone = nn.Sequential(
         nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, 2, 1)
     )
     backbone.out_channels = 32
-    return MaskRCNN(
-        backbone,
-        num_classes=5,
-        min_size=SIZE,
-        max_size=SIZE * 2,
-        rpn_anchor_generator=AnchorGenerator(((16, 32),), ((0.5, 1.0, 2.0),)),
-        box_roi_pool=MultiScaleRoIAlign(["0"], 7, 2),
-        mask_roi_pool=MultiScaleRoIAlign(["0"], 14, 2),
-        rpn_pre_nms_top_n_train=300,
-        rpn_post_nms_top_n_train=200,
-        box_batch_size_per_image=128,
-        representation_size=64,
-        **options,
-    )
+    return backbone
+
+
+def tiny_detector_options() -> dict:
+    """The tiny detectors' shared settings (fresh pooling modules each call)."""
+    return {
+        "num_classes": 5,
+        "min_size": SIZE,
+        "max_size": SIZE * 2,
+        "rpn_anchor_generator": AnchorGenerator(((16, 32),), ((0.5, 1.0, 2.0),)),
+        "box_roi_pool": MultiScaleRoIAlign(["0"], 7, 2),
+        "rpn_pre_nms_top_n_train": 300,
+        "rpn_post_nms_top_n_train": 200,
+        "box_batch_size_per_image": 128,
+        "representation_size": 64,
+    }
+
+
+def tiny_mask_rcnn(**options) -> nn.Module:
+    mask_pool = MultiScaleRoIAlign(["0"], 14, 2)
+    return MaskRCNN(tiny_backbone(), mask_roi_pool=mask_pool, **tiny_detector_options(), **options)
 
 
 def _built(recipe: Recipe, device: str = "meta", image_sizes=None):
@@ -104,22 +112,7 @@ def test_a_torchvision_detection_model_builds_with_the_reference_backbone():
 
 def _faster(recipe: Recipe, device: str = "meta"):
     with torch.device(device):
-        backbone = nn.Sequential(
-            nn.Conv2d(3, 16, 3, stride=2, padding=1), nn.ReLU(), nn.Conv2d(16, 32, 3, 2, 1)
-        )
-        backbone.out_channels = 32
-        model = FasterRCNN(
-            backbone,
-            num_classes=5,
-            min_size=SIZE,
-            max_size=SIZE * 2,
-            rpn_anchor_generator=AnchorGenerator(((16, 32),), ((0.5, 1.0, 2.0),)),
-            box_roi_pool=MultiScaleRoIAlign(["0"], 7, 2),
-            rpn_pre_nms_top_n_train=300,
-            rpn_post_nms_top_n_train=200,
-            box_batch_size_per_image=128,
-            representation_size=64,
-        )
+        model = FasterRCNN(tiny_backbone(), **tiny_detector_options())
     return detection_source(model, "tiny-faster-rcnn", recipe)
 
 

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import MID_LLAMA
 from torch import nn
 
 peft = pytest.importorskip("peft")
@@ -299,16 +300,6 @@ def test_recipe_json_has_no_finetune_keys_unless_asked():
 
 
 # -- the planner ---------------------------------------------------------------------------
-
-MID_LLAMA = {
-    **TINY_LLAMA,
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 16,
-    "vocab_size": 32000,
-    "max_position_embeddings": 2048,
-}
 
 
 @pytest.mark.slow

@@ -122,15 +122,23 @@ def test_mixed_policy_keeps_fp32_variables_and_half_compute():
     assert any("mixed_float16" in note for note in mixed.notes)
 
 
-def test_compiled_optimizer_is_named_in_the_notes(tmp_path):
+def dense_factory(tmp_path, compile_line: str = ""):
+    """A factory file ``net.py:make`` building Input(8) -> Dense(4), then ``compile_line``."""
     factory = tmp_path / "net.py"
     factory.write_text(
         "import keras\n"
         "def make():\n"
         "    x = keras.Input((8,))\n"
         "    model = keras.Model(x, keras.layers.Dense(4)(x))\n"
-        "    model.compile(optimizer=keras.optimizers.SGD(momentum=0.9), loss='mse')\n"
-        "    return model\n"
+        + compile_line
+        + "    return model\n"
+    )
+    return factory
+
+
+def test_compiled_optimizer_is_named_in_the_notes(tmp_path):
+    factory = dense_factory(
+        tmp_path, "    model.compile(optimizer=keras.optimizers.SGD(momentum=0.9), loss='mse')\n"
     )
     built = resolve(f"keras:{factory}:make", Recipe(batch_size=4, optimizer="adam"))
     assert any("--optimizer momentum" in note for note in built.notes)
@@ -148,15 +156,7 @@ def test_loss_scaling_follows_model_compile(tmp_path, compile_line, scaled):
     """A LossScaleOptimizer steps the trace exactly when ``model.compile`` makes one: the
     mixed_float16 policy with ``auto_scale_loss`` left on; the optimizer inside it names
     the state (no note that --optimizer differs from the compiled one)."""
-    factory = tmp_path / "net.py"
-    factory.write_text(
-        "import keras\n"
-        "def make():\n"
-        "    x = keras.Input((8,))\n"
-        "    model = keras.Model(x, keras.layers.Dense(4)(x))\n"
-        + compile_line
-        + "    return model\n"
-    )
+    factory = dense_factory(tmp_path, compile_line)
     recipe = Recipe(batch_size=4, optimizer="adam", precision="amp-fp16")
     built = resolve(f"keras:{factory}:make", recipe)
     assert scales_loss(built.model) is scaled
@@ -170,14 +170,8 @@ def test_loss_scaling_follows_model_compile(tmp_path, compile_line, scaled):
 def test_jit_compile_on_the_torch_backend_is_torch_compile(tmp_path):
     """Keras's torch backend runs ``jit_compile=True`` under torch.compile, not XLA
     (keras/src/backend/torch/trainer.py); the note says so."""
-    factory = tmp_path / "net.py"
-    factory.write_text(
-        "import keras\n"
-        "def make():\n"
-        "    x = keras.Input((8,))\n"
-        "    model = keras.Model(x, keras.layers.Dense(4)(x))\n"
-        "    model.compile(optimizer='adam', loss='mse', jit_compile=True)\n"
-        "    return model\n"
+    factory = dense_factory(
+        tmp_path, "    model.compile(optimizer='adam', loss='mse', jit_compile=True)\n"
     )
     built = resolve(f"keras:{factory}:make", Recipe(batch_size=4, optimizer="adam"))
     assert any("torch.compile" in note and "XLA" not in note for note in built.notes)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY_LLAMA, gqa_llama
+from conftest import MID_LLAMA, TINY_LLAMA, gqa_llama
 
 from vramplan.device.options import device_options
 from vramplan.planner.bench import Workbench
@@ -66,15 +66,6 @@ def test_weight_reads_repeat_per_micro_step_and_per_recomputed_pass(tmp_path):
     assert recomputed.weights == pytest.approx(1.5 * whole.weights, rel=1e-12)
 
 
-MID_LLAMA = {  # a 340M-parameter Llama: 131M of it embeddings and head
-    **TINY_LLAMA,
-    "hidden_size": 2048,
-    "intermediate_size": 5632,
-    "num_hidden_layers": 4,
-    "num_attention_heads": 16,
-    "vocab_size": 32000,
-    "max_position_embeddings": 2048,
-}
 # Between QLoRA's high end at batch 4 (about 1436 MiB with the runtime) and LoRA's with
 # every block recomputed (about 1522 MiB): the preconditions below check it.
 TIGHT_CARD = "1644MiB"

@@ -82,39 +82,19 @@ ROWS = [
     ),
     ("max-batch resnet50 t4", ["max-batch", "torchvision:resnet50", "--gpu", "t4"], 10.0),
 ]
+
+
+def _plan_row(model: str, target: float) -> tuple[str, list[str], float]:
+    """``plan hf:MODEL`` at seq 4096, batch 8, on an A100-80GB (issue 14's planner target)."""
+    args = ["plan", f"hf:{model}", "--seq-len", "4096", "--batch-size", "8"]
+    return f"plan {model} s4096 b8 a100-80gb", [*args, "--gpu", "a100-80gb", "--json"], target
+
+
 # Minutes each before issue 14's planner work: run only when named (``--only plan``) or
 # with ``--slow``.
 SLOW_ROWS = [
-    (
-        "plan llama-3-8b s4096 b8 a100-80gb",
-        [
-            "plan",
-            "hf:meta-llama-3-8b",
-            "--seq-len",
-            "4096",
-            "--batch-size",
-            "8",
-            "--gpu",
-            "a100-80gb",
-            "--json",
-        ],
-        30.0,
-    ),
-    (
-        "plan llama-3-70b s4096 b8 a100-80gb",
-        [
-            "plan",
-            "hf:meta-llama-3-70b",
-            "--seq-len",
-            "4096",
-            "--batch-size",
-            "8",
-            "--gpu",
-            "a100-80gb",
-            "--json",
-        ],
-        60.0,
-    ),
+    _plan_row("meta-llama-3-8b", 30.0),
+    _plan_row("meta-llama-3-70b", 60.0),
     (
         "max-batch llama-3-8b s4096 bf16 a100-80gb",
         [

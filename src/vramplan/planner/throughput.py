@@ -182,12 +182,10 @@ class Throughput:
         """FLOPs per sample of ``recipe``'s kind of step: what is trained and what is
         recomputed decide them; batch, precision, storage, quantization and optimizer do
         not (the counter counts matmuls, which a dequantized weight feeds the same)."""
-        from vramplan.planner.levers import step_flops  # levers ranks with this module
-
         key = _kind_key(recipe)
         if key not in self._flops:
             traced = recipe.with_changes(grad_accum=1, optimizer_in_backward=False)
-            self._flops[key] = step_flops(self.bench, traced) / _samples_traced(traced)
+            self._flops[key] = self.bench.flops(traced) / _samples_traced(traced)
         return self._flops[key]
 
     def _dequantized_bytes(self, recipe: Recipe) -> int:
