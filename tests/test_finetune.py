@@ -266,6 +266,31 @@ def test_qlora_trace_stores_packed_weights_and_dequantizes_transiently(llama):
     assert not [a for a in kept if a.nbytes in sizes and "proj" in (a.module or "")]
 
 
+def test_gpt2_conv1d_layers_are_quantized_as_transformers_does(tmp_path):
+    """GPT-2's linear layers are transformers' ``Conv1D`` (weight ``[in, out]``): bitsandbytes
+    quantizes them as linears of the transposed shape, the output head kept. Exact
+    arithmetic: each packed weight holds in*out/2 bytes, and peft puts r*(in+out) adapter
+    parameters on each."""
+    hidden, layers, rank = 64, 2, 4
+    config = {"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 256,
+              "n_positions": 64, "n_embd": hidden, "n_layer": layers, "n_head": 2}  # fmt: skip
+    path = tmp_path / "gpt2.json"
+    path.write_text(json.dumps(config))
+    recipe = Recipe(batch_size=1, seq_len=16, quantize="nf4", lora_rank=rank,
+                    lora_targets="all-linear")  # fmt: skip
+    built = resolve(f"hf:{path}", recipe)
+    quantized = [m for m in built.model.modules() if isinstance(m, QuantizedLinear)]
+    shapes = [(hidden, 3 * hidden), (hidden, hidden), (hidden, 4 * hidden), (4 * hidden, hidden)]
+    assert sorted((m.in_features, m.out_features) for m in quantized) == sorted(shapes * layers)
+    for m in quantized:
+        assert m.weight.numel() == m.in_features * m.out_features // 2
+        assert m.bias is not None and m.bias.shape == (m.out_features,)
+    trainable = sum(p.numel() for p in built.model.parameters() if p.requires_grad)
+    assert trainable == layers * sum(rank * (i + o) for i, o in shapes)
+    estimate, _ = trace_and_estimate(built, recipe, "cpu")
+    assert estimate.peak.allocated_bytes > 0
+
+
 def test_quantized_statistics_keep_their_dtypes_under_bf16(llama):
     recipe = Recipe(batch_size=1, seq_len=8, quantize="nf4", lora_rank=2, precision="bf16")
     built = resolve(llama, recipe)

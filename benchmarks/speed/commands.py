@@ -5,6 +5,7 @@
     python -m benchmarks.speed.commands --write            # also benchmarks/results/<date>-speed.md
     python -m benchmarks.speed.commands --before /tmp/old/src   # an older checkout beside it
     python -m benchmarks.speed.commands --only plan,max-batch   # the planner rows (minutes)
+    python -m benchmarks.speed.commands --only plan --jobs 1    # ... one trace at a time
 
 Each run is a fresh ``python -m vramplan ...`` (start-up, imports, model build, trace and
 rendering included, output to a file); the table gives the best and the median of
@@ -193,6 +194,14 @@ def _rss(runs: list[tuple[float, int, int, float]]) -> str:
     return f"{max(r[2] for r in runs) / 2**20:.0f}"
 
 
+def _with_jobs(row: tuple, jobs: int) -> tuple:
+    """A planner row (``plan``, ``max-batch``) run with ``--jobs N``; other rows as they are."""
+    name, args, target = row
+    if args[0] not in ("plan", "max-batch"):
+        return row
+    return f"{name} --jobs {jobs}", [*args, "--jobs", str(jobs)], target
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeat", type=int, default=3)
@@ -201,12 +210,17 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--title", default="", help="a line under the table's heading")
     parser.add_argument("--before", default=None, help="an older checkout's src, run alternately")
     parser.add_argument("--slow", action="store_true", help="also the plan rows (minutes)")
+    parser.add_argument(
+        "--jobs", type=int, default=None, help="--jobs N for plan and max-batch (their default)"
+    )
     options = parser.parse_args(argv)
     words = [w for w in options.only.split(",") if w]
     rows = [row for row in ROWS if not words or any(w in row[0] for w in words)]
     rows += [
         row for row in SLOW_ROWS if (options.slow and not words) or any(w in row[0] for w in words)
     ]
+    if options.jobs is not None:
+        rows = [_with_jobs(row, options.jobs) for row in rows]
 
     lines = [
         f"## Whole commands (python -m benchmarks.speed.commands, {options.repeat} runs each)",

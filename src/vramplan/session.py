@@ -37,6 +37,7 @@ from vramplan.pipeline import estimate_built, trace_and_estimate
 from vramplan.planner.answer import PlanAnswer, answer_plan
 from vramplan.planner.bench import TraceEvent, TraceLog, Workbench, trace_label
 from vramplan.planner.host import HostOptions
+from vramplan.planner.parallel import default_jobs
 from vramplan.planner.search import SearchResult, largest_fitting
 from vramplan.planner.serving import ServeOptions, ServingPlan, plan_serving
 from vramplan.recipe import Recipe
@@ -78,16 +79,17 @@ def _limited(method):
 
 class Session:
     """A model (a source name such as ``hf:gpt2``, or an ``nn.Module`` with its example
-        batch and loss) judged on one device setting: a catalog card (``gpu``) or a size
-        (``gpu_memory="24GiB"``), the headroom kept free, ``PYTORCH_CUDA_ALLOC_CONF``
-        (``alloc_conf``), cuDNN benchmark mode, and a measured device ``profile``.
+    batch and loss) judged on one device setting: a catalog card (``gpu``) or a size
+    (``gpu_memory="24GiB"``), the headroom kept free, ``PYTORCH_CUDA_ALLOC_CONF``
+    (``alloc_conf``), cuDNN benchmark mode, and a measured device ``profile``.
 
-        ``target="cpu"`` traces what the CPU itself does instead of emulating a CUDA GPU.
-        ``trust_remote_code=True`` lets a Hugging Face model run the modeling code its
-        repository ships (``auto_map``); off by default.
-    from vramplan.limits import DEFAULT_TIMEOUT, check_timeout, time_limit, user_code_timeout
-        ``progress(event)`` is called as each trace starts and ends (a ``TraceEvent``: label,
-        index, seconds once done); ``Session.log`` keeps every trace's label and seconds.
+    ``target="cpu"`` traces what the CPU itself does instead of emulating a CUDA GPU.
+    ``trust_remote_code=True`` lets a Hugging Face model run the modeling code its
+    repository ships (``auto_map``); off by default.
+    ``progress(event)`` is called as each trace starts and ends (a ``TraceEvent``: label,
+    index, seconds once done); ``Session.log`` keeps every trace's label and seconds.
+    ``jobs``: processes ``plan`` and ``max_batch`` may trace in at once (None: the usable
+    cores, at most ``planner.parallel.MAX_JOBS``; 1: one trace at a time).
     """
 
     def __init__(
@@ -113,6 +115,7 @@ class Session:
         tf_memory_growth: bool = False,
         tf_memory_limit: str | None = None,
         allow_custom_objects: bool = False,
+        jobs: int | None = None,
     ) -> None:
         if target not in TARGETS:
             raise UserError(f"unknown target {target!r}; choose cuda or cpu")
@@ -149,6 +152,9 @@ class Session:
         """Trace every block instead of repeating a run of identical ones."""
         self.timeout = check_timeout(timeout)
         self._bench: Workbench | None = None
+        if jobs is not None and jobs < 1:
+            raise UserError(f"--jobs must be 1 or more, not {jobs}")
+        self.jobs = default_jobs() if jobs is None else jobs
         self.log = TraceLog(progress)
         """Every trace this session ran, with its label and seconds."""
 
@@ -359,9 +365,13 @@ class Session:
 
         if default_gpu is not None and self.device.gpu is None:
             options = replace(self.device, gpu=lookup_gpu(default_gpu))
-            return Workbench(self.name, options, build, self.log, self._runtime_finish())
+            return Workbench(
+                self.name, options, build, self.log, self._runtime_finish(), jobs=self.jobs
+            )
         if self._bench is None:
-            self._bench = Workbench(self.name, self.device, build, self.log, self._runtime_finish())
+            self._bench = Workbench(
+                self.name, self.device, build, self.log, self._runtime_finish(), jobs=self.jobs
+            )
         return self._bench
 
     def _runtime_finish(self):

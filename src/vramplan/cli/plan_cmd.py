@@ -81,6 +81,15 @@ HostMemoryOpt = Annotated[
     typer.Option("--host-memory", help="System RAM to check the run against, e.g. 64GiB."),
 ]
 WorkersOpt = Annotated[int, typer.Option("--workers", help="DataLoader worker processes.")]
+JobsOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--jobs",
+        "-j",
+        help="Processes that trace at once (default: the usable cores, at most 8; 1: one "
+        "trace at a time). The answer is the same; only the wall-clock changes.",
+    ),
+]
 OffloadOpt = Annotated[
     bool,
     typer.Option("--offload-optimizer", help="Count the optimizer state as offloaded to the host."),
@@ -129,6 +138,7 @@ def max_batch_command(
     profile: ProfileOpt = None,
     stack: StackOpt = None,
     used_counter: UsedCounterOpt = "nvml-v1",
+    jobs: JobsOpt = None,
     timeout: TimeoutOpt = 300.0,
     trust_remote_code: TrustRemoteCodeOpt = False,
     allow_custom_objects: AllowCustomObjectsOpt = False,
@@ -195,6 +205,7 @@ def plan_command(
     offload_optimizer: OffloadOpt = False,
     html: HtmlOpt = None,
     plot: PlotOpt = None,
+    jobs: JobsOpt = None,
     timeout: TimeoutOpt = 300.0,
     trust_remote_code: TrustRemoteCodeOpt = False,
     allow_custom_objects: AllowCustomObjectsOpt = False,

@@ -37,6 +37,8 @@ class PlanAnswer:
     why no layout fits."""
     traced: tuple[tuple[str, float], ...] = ()
     """What each trace was and its seconds (build, trace and device replay)."""
+    side_by_side: int = 0
+    """Of the traces, how many ran in worker processes (``--jobs``, ``parallel.py``)."""
 
     @property
     def trace_seconds(self) -> tuple[float, ...]:
@@ -49,6 +51,7 @@ class PlanAnswer:
         data["traces"] = self.traces
         data["trace_seconds"] = [round(seconds, 3) for seconds in self.trace_seconds]
         data["trace_labels"] = [label for label, _ in self.traced]
+        data["traces_side_by_side"] = self.side_by_side
         if self.needed is not None:
             data["gpus_needed"] = {**self.needed.to_json(), "with": self.needed_note}
         else:
@@ -63,10 +66,11 @@ def answer_plan(
 ) -> PlanAnswer:
     """Levers on ``bench``'s card; the GPUs needed when none of them fits; every catalog
     card (``judge_every_gpu``) or just this one, with the levers that make each fit."""
-    before = bench.traces
+    before, side_before = bench.traces, bench.log.side_by_side
     bench.shares_short_traces = True  # its estimates differ in the checkpointed count
     bench.counts_flops = True  # recompute costs read off the steps' own traces
-    levers = plan_levers(bench, recipe)
+    with bench.side_by_side(recipe):  # the levers, floors and trials side by side (--jobs)
+        levers = plan_levers(bench, recipe)
     needed, needed_note = None, ""
     if not judge_every_gpu and levers.baseline.verdict.status != "fits" and levers.plan is None:
         needed, needed_note = gpus_needed_for(bench, recipe, host.limit_bytes)
@@ -83,6 +87,7 @@ def answer_plan(
         needed,
         needed_note,
         bench.log.since(before),
+        bench.log.side_by_side - side_before,
     )
 
 

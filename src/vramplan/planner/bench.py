@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -101,6 +102,8 @@ class TraceLog:
 
     progress: Callable[[TraceEvent], None] | None = None
     records: list[tuple[str, float]] = field(default_factory=list)
+    side_by_side: int = 0
+    """Of the records, how many were traced in worker processes (``add``)."""
 
     def timed(self, label: str, run: Callable[[], Any]) -> Any:
         """``run()``, timed and reported under ``label``."""
@@ -114,6 +117,15 @@ class TraceLog:
         if self.progress is not None:
             self.progress(TraceEvent(label, index, seconds))
         return result
+
+    def add(self, label: str, seconds: float) -> None:
+        """A trace run elsewhere (a worker process, ``parallel.py``), reported as done."""
+        index = len(self.records) + 1
+        self.records.append((label, seconds))
+        self.side_by_side += 1
+        if self.progress is not None:
+            self.progress(TraceEvent(label, index))
+            self.progress(TraceEvent(label, index, seconds))
 
     def __len__(self) -> int:
         return len(self.records)
@@ -144,6 +156,10 @@ class Workbench:
     """Trace every training step with its FLOPs counted too (``trace/flops.py``): the same
     events, so ``flops`` reads them off the step's own trace instead of tracing it again
     (``plan``'s recompute cost)."""
+    jobs: int = 1
+    """Processes ``prefetch`` may trace in at once (``parallel.py``); 1: one at a time."""
+    _workers: Any = None
+    """The worker processes of ``side_by_side`` (``parallel.TraceWorkers``) while it runs."""
 
     def __post_init__(self) -> None:
         if self.device.gpu is None:
@@ -154,9 +170,66 @@ class Workbench:
         """Traces run so far (FLOP-counting traces of ``plan`` included)."""
         return len(self.log)
 
+    def label(self, recipe: Recipe, what: str = "") -> str:
+        return trace_label(self.model, recipe, what)
+
     def timed(self, recipe: Recipe, run: Callable[[], Any], what: str = "") -> Any:
         """``run()`` (a trace of ``recipe``) timed and reported on the log."""
-        return self.log.timed(trace_label(self.model, recipe, what), run)
+        return self.log.timed(self.label(recipe, what), run)
+
+    @contextmanager
+    def side_by_side(self, first: Recipe) -> Iterator[None]:
+        """Within the block, ``prefetch`` traces in ``jobs`` worker processes forked here
+        (``parallel.py``); call it before the bench traces anything. The model is built
+        for the ``first`` recipe before the fork (no trace: imports and the meta build),
+        so that the workers start from it."""
+        if self._workers is not None:
+            yield
+            return
+        from vramplan.planner.parallel import start_workers
+
+        if self.jobs > 1:
+            self.built(first)
+        self._workers = start_workers(self, self.jobs)
+        try:
+            yield
+        finally:
+            if self._workers is not None:
+                self._workers.close()
+            self._workers = None
+
+    @property
+    def width(self) -> int:
+        """Traces that can run at once now: the live workers of ``side_by_side``, or 1."""
+        return self._workers.jobs if self._workers is not None and self._workers.pool else 1
+
+    def prefetch(self, recipes: list[Recipe]) -> int:
+        """Trace the ``recipes`` not traced yet side by side in the workers of
+        ``side_by_side`` (none outside it), so that asking for them afterwards costs no
+        trace; how many were traced so."""
+        if self._workers is None:
+            return 0
+        pending = {recipe_key(r): r for r in recipes if recipe_key(r) not in self._done}
+        return self._workers.trace(list(pending.values()))
+
+    def keep(
+        self,
+        recipe: Recipe,
+        estimate: Estimate,
+        trace: Trace,
+        label: str,
+        seconds: float,
+        short_traces: dict,
+    ) -> None:
+        """A recipe traced in a worker: its estimate and trace cached, its trace logged,
+        the short traces it made shared with the bench's next estimates."""
+        self._done[recipe_key(recipe)] = estimate, trace
+        self._short_traces.update(short_traces)
+        self.log.add(label, seconds)
+
+    def short_traces_made(self) -> dict:
+        """The short traces of repeated blocks kept so far (``shares_short_traces``)."""
+        return self._short_traces
 
     def built(self, recipe: Recipe) -> BuiltModel:
         """The model built (on the meta device) for ``recipe``; with

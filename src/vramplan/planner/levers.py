@@ -260,21 +260,26 @@ def _accumulate(bench: Workbench, recipe: Recipe, changes: dict) -> dict | None:
     """The fewest micro-batches k (k divides the batch) that make ``changes`` fit while
     keeping the effective batch (none with the optimizer step in backward, which cannot
     accumulate)."""
-    if changes.get("optimizer_in_backward") or recipe.optimizer_in_backward:
-        return None
-    batch = recipe.batch_size * recipe.grad_accum
-    for k in range(2, recipe.batch_size + 1):
-        if recipe.batch_size % k:
-            continue
-        trial = {
-            **changes,
-            "batch_size": recipe.batch_size // k,
-            "grad_accum": recipe.grad_accum * k,
-        }
+    for trial in _accumulation_trials(recipe, changes):
         if bench.fits(_apply(recipe, trial)):
-            assert trial["batch_size"] * trial["grad_accum"] == batch
             return trial
     return None
+
+
+def _accumulation_trials(recipe: Recipe, changes: dict) -> list[dict]:
+    """``changes`` split into k micro-batches of the same effective batch, k = 2, 3, ...
+    dividing the batch (none with the optimizer step in backward, which cannot accumulate).
+
+    >>> [t["batch_size"] for t in _accumulation_trials(Recipe(batch_size=8), {})]
+    [4, 2, 1]
+    """
+    if changes.get("optimizer_in_backward") or recipe.optimizer_in_backward:
+        return []
+    return [
+        {**changes, "batch_size": recipe.batch_size // k, "grad_accum": recipe.grad_accum * k}
+        for k in range(2, recipe.batch_size + 1)
+        if recipe.batch_size % k == 0
+    ]
 
 
 def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
@@ -287,12 +292,25 @@ def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
     total = built.blocks
     low, high = 0, total  # high fits (full); find the smallest count that fits
     while high - low > 1:
-        middle = (low + high) // 2
-        if bench.fits(_apply(recipe, {**changes, "checkpointing": str(middle)})):
-            high = middle
-        else:
-            low = middle
+        counts = _between(low, high, bench.width)
+        trials = [_apply(recipe, {**changes, "checkpointing": str(n)}) for n in counts]
+        bench.prefetch(trials)
+        fitting = [n for n, trial in zip(counts, trials, strict=True) if bench.fits(trial)]
+        # memory falls as more blocks recompute: fits from the first count that fits on
+        high = min(fitting, default=high)
+        low = max((n for n in counts if n < high), default=low)
     return {**changes, "checkpointing": "full" if high == total else str(high)}
+
+
+def _between(low: int, high: int, parts: int) -> list[int]:
+    """Up to ``parts`` counts splitting (low, high) evenly: the midpoint for one (a
+    bisection), more where that many traces run at once.
+
+    >>> _between(0, 32, 1), _between(0, 32, 2), _between(16, 18, 3)
+    ([16], [11, 21], [17])
+    """
+    step = (high - low) / (parts + 1)
+    return sorted({min(high - 1, max(low + 1, low + round(step * i))) for i in range(1, parts + 1)})
 
 
 def _result(
@@ -333,6 +351,10 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
     wants_blocks = any("checkpointing" in changes for _, changes, _ in candidates)
     if wants_blocks and not bench.built(recipe).blocks:  # nothing repeats: no blocks
         candidates = [c for c in candidates if "checkpointing" not in c[1]]
+    bench.prefetch(
+        [_apply(recipe, changes) for _, changes, _ in candidates]
+        + [_apply(recipe, trial) for trial in _accumulation_trials(recipe, {})[:2]]
+    )
     levers = [
         _result(bench, recipe, name, changes, cost, baseline, throughput)
         for name, changes, cost in candidates
@@ -478,6 +500,13 @@ def _cheapest(
     """The fitting plan of ``tier`` with the least modelled step time: (base names,
     changes, free levers kept)."""
     best: tuple[float, tuple[str, ...], dict, tuple[LeverResult, ...]] | None = None
+    bench.prefetch(
+        [
+            _floor(recipe, _merged(base, free), checkpointable)
+            for _, base in tier.bases
+            for free in tier.leanest
+        ]
+    )
     for names, base in tier.bases:
         floors = (_merged(base, free) for free in tier.leanest)
         if not any(_floor_fits(bench, recipe, floor, checkpointable) for floor in floors):
@@ -522,6 +551,7 @@ def _fitting_variants(
     )
     if not _floor_fits(bench, recipe, changes, checkpointable):
         return []
+    bench.prefetch([_apply(recipe, changes), _apply(recipe, {**changes, **ckpt})])
     if bench.fits(_apply(recipe, changes)):
         return [changes]
     found = []
@@ -539,8 +569,13 @@ def _fitting_variants(
 
 
 def _floor_fits(bench: Workbench, recipe: Recipe, changes: dict, checkpointable: bool) -> bool:
-    """Whether ``changes`` fit with every costed lever at once: all blocks recomputed,
-    activations offloaded, one sample per micro-batch (where gradients can accumulate)."""
+    """Whether ``changes`` fit with every costed lever at once."""
+    return bench.fits(_floor(recipe, changes, checkpointable))
+
+
+def _floor(recipe: Recipe, changes: dict, checkpointable: bool) -> Recipe:
+    """``changes`` with every costed lever at once: all blocks recomputed, activations
+    offloaded, one sample per micro-batch (where gradients can accumulate)."""
     floor = dict(changes)
     if recipe.is_training:
         floor.update({"checkpointing": "full"} if checkpointable else {})
@@ -549,7 +584,7 @@ def _floor_fits(bench: Workbench, recipe: Recipe, changes: dict, checkpointable:
             changes.get("optimizer_in_backward") or recipe.optimizer_in_backward
         ):
             floor.update(batch_size=1, grad_accum=recipe.grad_accum * recipe.batch_size)
-    return bench.fits(_apply(recipe, floor))
+    return _apply(recipe, floor)
 
 
 def _weights_leave_room(estimate: Estimate) -> bool:

@@ -3,9 +3,11 @@
 Device memory grows close to linearly with the batch, so two traces give a slope and a
 prediction of the figure the verdict reads (the high end of the device total's range);
 the predicted boundary is traced and then its neighbour, so a good prediction costs four
-traces. Otherwise each further trace tightens a bracket [fits, does not fit] by the secant
-through the nearest points (bisection when the secant leaves the bracket), until the
-answer N fits and N+1 does not::
+traces (the first two, and then the predicted boundary with its neighbour, run side by
+side where the bench has ``jobs`` to spare: ``parallel.py``). Otherwise each further
+trace tightens a bracket [fits, does not fit] by the secant through the nearest points
+(bisection when the secant leaves the bracket), until the answer N fits and N+1 does
+not::
 
     result = largest_fitting(bench, Recipe(batch_size=1), "batch_size")
     result.value, result.traces   # the answer, and how many traces it took
@@ -47,6 +49,8 @@ class SearchResult:
     bisection_traces: int
     traced: tuple[tuple[str, float], ...] = ()
     """What each trace was and its seconds (build, trace and device replay)."""
+    side_by_side: int = 0
+    """Of the traces, how many ran in worker processes (``--jobs``, ``parallel.py``)."""
 
     @property
     def trace_seconds(self) -> tuple[float, ...]:
@@ -62,6 +66,7 @@ class SearchResult:
             "bisection_traces": self.bisection_traces,
             "trace_seconds": [round(seconds, 3) for seconds in self.trace_seconds],
             "trace_labels": [label for label, _ in self.traced],
+            "traces_side_by_side": self.side_by_side,
             "estimate": self.estimate.to_json(timeline=False),
         }
         if self.beyond is not None:
@@ -107,9 +112,15 @@ def largest_fitting(
     """Search ``knob`` (batch_size or seq_len) for the largest value that fits."""
     if knob not in KNOBS:
         raise UserError(f"cannot search {knob!r}; choose one of: {', '.join(KNOBS)}")
+    with bench.side_by_side(recipe.with_changes(**{knob: start or 1})):
+        return _search(bench, recipe, knob, start)
+
+
+def _search(bench: Workbench, recipe: Recipe, knob: str, start: int | None) -> SearchResult:
     first = start or 1
-    before = bench.traces
+    before, side_before = bench.traces, bench.log.side_by_side
     base = recipe.with_changes(**{knob: first})
+    bench.prefetch([base, recipe.with_changes(**{knob: first * 2})])
     if not bench.fits(base):
         raise UserError(_cannot_fit_message(bench, base, knob))
     usable = bench.estimate(base).verdict.usable_bytes
@@ -131,6 +142,8 @@ def largest_fitting(
             predicted = _predict((below, points[below]), (low, points[low]), usable)
             # where the line puts the boundary at or before ``low``, try its neighbour
             candidate = low * 2 if predicted is None else max(predicted, low + 1)
+            # the predicted boundary and its neighbour: side by side where cores allow
+            bench.prefetch([recipe.with_changes(**{knob: n}) for n in (candidate, candidate + 1)])
             continue
         # Safeguarded secant: memory is a step function of the knob (allocator segments),
         # so when a step does not halve the bracket, the next one bisects.
@@ -149,6 +162,7 @@ def largest_fitting(
         bench.traces - before,
         bisection_traces=bisection_cost(first, low),
         traced=bench.log.since(before),
+        side_by_side=bench.log.side_by_side - side_before,
     )
 
 

@@ -259,18 +259,35 @@ def quantize_linears(
 ) -> int:
     """Replace every ``nn.Linear`` of ``model`` (but the modules in ``skip``, by id) with a
     ``QuantizedLinear`` (``dequant_dtype``: see ``dequantized_dtype``); returns how many
-    were replaced."""
+    were replaced. transformers' ``Conv1D`` (GPT-2's linear layers, weight stored ``[in,
+    out]``) is quantized too, as ``_replace_with_bnb_linear`` does it
+    (``transformers/integrations/bitsandbytes.py``: ``in_features, out_features =
+    module.weight.shape``, the weight transposed before quantization)."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and id(child) not in skip:
+            linear = _as_linear(child)
+            if linear is not None and id(child) not in skip:
                 setattr(
                     parent,
                     name,
-                    QuantizedLinear(child, scheme, double_quant, compute_dtype, dequant_dtype),
+                    QuantizedLinear(linear, scheme, double_quant, compute_dtype, dequant_dtype),
                 )
                 replaced += 1
     return replaced
+
+
+def _as_linear(module: nn.Module) -> nn.Linear | None:
+    """``module`` as the ``nn.Linear`` bitsandbytes replaces: itself, a ``Conv1D``
+    turned round (its bias kept), or None for anything else."""
+    if type(module) is nn.Linear:
+        return module
+    if type(module).__name__ != "Conv1D" or not hasattr(module, "nf"):
+        return None
+    in_features, out_features = module.weight.shape
+    linear = nn.Linear(in_features, out_features, bias=False, device=module.weight.device)
+    linear.bias = module.bias
+    return linear
 
 
 def packed_numel_missing(model: nn.Module) -> int:

@@ -1,0 +1,146 @@
+"""Traces of one workbench run side by side, in worker processes forked from it.
+
+``plan`` and ``max-batch`` know several recipes they will need before they need them (the
+levers of the table, the floors of each base, a search's next candidates). Each trace is
+single-threaded Python, so on a machine with cores to spare those recipes are traced at
+once: workers forked from the bench trace a share of them each and send back each
+estimate with its trace (and the short traces of repeated blocks they made,
+``trace/repeat.py``). The answer is the same as tracing them one after another; only the
+wall-clock changes::
+
+    with bench.side_by_side(Recipe(batch_size=8)):   # workers forked here, before any trace
+        bench.prefetch([Recipe(batch_size=8), Recipe(batch_size=16)])
+        bench.estimate(Recipe(batch_size=16))   # already traced: no trace here
+
+The workers are forked before the bench traces anything: PyTorch's autograd engine
+refuses to run backward in a process forked after its parent ran one (its device threads
+do not survive a fork: https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork). A
+worker that finds its autograd unusable (a session that traced before) says so, and the
+bench goes on one trace at a time. Forking is used only on Linux; elsewhere, with one
+job, or for a single recipe, nothing runs here and the bench traces each recipe when it
+is asked for. A recipe whose trace fails in a worker is left to the bench, which traces it
+again and raises its error in the caller.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import sys
+import time
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from multiprocessing.pool import Pool
+
+    from vramplan.recipe import Recipe
+
+
+class Workbench(Protocol):
+    """What the workers need of ``bench.Workbench`` (which imports this module)."""
+
+    log: Any
+
+    def run(self, recipe: Recipe) -> tuple[Any, Any]: ...
+
+    def keep(self, *outcome: Any) -> None: ...
+
+    def label(self, recipe: Recipe) -> str: ...
+
+    def short_traces_made(self) -> dict: ...
+
+
+MAX_JOBS = 8
+"""Workers at most by default: each builds and traces its own copy of the model (a worker
+of a 405B-parameter model's plan grows by a few hundred MiB)."""
+UNUSABLE = "autograd unusable after fork"
+"""A worker's answer when its autograd engine refuses to run (see the module docstring)."""
+
+_BENCH: Workbench | None = None
+"""The bench a forked worker traces with (set in the parent just before the fork)."""
+
+
+def default_jobs() -> int:
+    """The processes ``plan`` and ``max-batch`` trace with when ``--jobs`` is not given: the
+    cores this process may run on, at most ``MAX_JOBS``.
+
+    >>> 1 <= default_jobs() <= MAX_JOBS
+    True
+    """
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(cores, MAX_JOBS))
+
+
+def can_fork() -> bool:
+    """Whether workers can be forked here (Linux, with the ``fork`` start method)."""
+    return sys.platform.startswith("linux") and "fork" in multiprocessing.get_all_start_methods()
+
+
+class TraceWorkers:
+    """``jobs`` worker processes forked from ``bench`` (call before it traces anything)."""
+
+    def __init__(self, bench: Workbench, jobs: int) -> None:
+        global _BENCH
+        self.bench = bench
+        self.jobs = jobs
+        _BENCH = bench
+        self.pool: Pool | None = multiprocessing.get_context("fork").Pool(jobs)
+
+    def trace(self, recipes: list[Recipe]) -> int:
+        """Trace ``recipes`` (none traced yet) in the workers, keeping each result in the
+        bench; how many were traced so."""
+        if self.pool is None or len(recipes) < 2:
+            return 0
+        traced = 0
+        for outcome in self.pool.imap(_trace_in_worker, recipes):
+            if outcome == UNUSABLE:
+                self.close()  # this process traced before: one trace at a time from now on
+                return traced
+            if outcome is not None:
+                self.bench.keep(*outcome)
+                traced += 1
+        return traced
+
+    def close(self) -> None:
+        global _BENCH
+        if self.pool is not None:
+            self.pool.terminate()
+            self.pool.join()
+            self.pool = None
+        _BENCH = None
+
+
+def start_workers(bench: Workbench, jobs: int) -> TraceWorkers | None:
+    """Workers for ``bench``, or None where they cannot help (one job, not Linux)."""
+    if jobs < 2 or not can_fork():
+        return None
+    return TraceWorkers(bench, jobs)
+
+
+def _trace_in_worker(recipe: Recipe) -> tuple[Any, ...] | str | None:
+    """In a worker: the recipe's estimate and trace, the label and seconds of the trace,
+    and the short traces made for it; ``UNUSABLE`` when autograd cannot run in this
+    process; None when the trace failed (the bench retries it)."""
+    import torch
+
+    bench = _BENCH
+    assert bench is not None  # inherited from the parent at the fork
+    bench.log.progress = None  # the parent reports each result
+    torch.set_num_threads(1)  # the workers share the cores: no intra-op thread pools
+    try:
+        probe = torch.ones(1, requires_grad=True)
+        (probe * 2).sum().backward()
+    except RuntimeError:
+        return UNUSABLE
+    already = set(bench.short_traces_made())
+    start = time.perf_counter()
+    try:
+        estimate, trace = bench.run(recipe)
+    except Exception:  # noqa: BLE001 - the parent traces it again and raises there
+        return None
+    seconds = time.perf_counter() - start
+    made = {k: v for k, v in bench.short_traces_made().items() if k not in already}
+    return recipe, estimate, trace, bench.label(recipe), seconds, made

@@ -1,0 +1,86 @@
+"""Traces side by side (``--jobs``, ``planner/parallel.py``): the answer is the one of
+tracing one recipe at a time, whether the workers trace or find their autograd unusable."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from vramplan.planner.levers import _accumulation_trials, _between
+from vramplan.planner.parallel import can_fork
+from vramplan.recipe import Recipe
+from vramplan.session import Session
+
+needs_fork = pytest.mark.skipif(not can_fork(), reason="workers are forked on Linux only")
+
+
+def _without_timing(data, drop=("trace_seconds", "traces_side_by_side")):
+    """A plan's or search's JSON without what differs between runs: seconds, and how many
+    traces ran where."""
+    if isinstance(data, dict):
+        return {k: _without_timing(v, drop) for k, v in data.items() if k not in drop}
+    if isinstance(data, list):
+        return [_without_timing(v, drop) for v in data]
+    return data
+
+
+def _max_batch(model: str, jobs: int) -> dict:
+    """``vramplan max-batch`` in a fresh process: its autograd has run nothing before the
+    workers are forked, so they trace."""
+    args = ["max-batch", model, "--input-shape", "3x32x32", "--optimizer", "sgd"]
+    args += ["--gpu-memory", "1800MiB", "--json", "--jobs", str(jobs)]
+    done = subprocess.run(
+        [sys.executable, "-m", "vramplan", *args], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
+@needs_fork
+def test_max_batch_side_by_side_equals_one_at_a_time(tiny_cnn):
+    alone, side_by_side = _max_batch(tiny_cnn, 1), _max_batch(tiny_cnn, 2)
+    assert alone["traces_side_by_side"] == 0
+    assert side_by_side["traces_side_by_side"] >= 2  # the first two sizes at least
+    # side by side, a search may trace a candidate it turns out not to need
+    traces = ("trace_seconds", "traces_side_by_side", "traces", "trace_labels")
+    assert _without_timing(side_by_side, traces) == _without_timing(alone, traces)
+    assert set(alone["trace_labels"]) <= set(side_by_side["trace_labels"])
+
+
+@needs_fork
+def test_a_session_that_traced_before_plans_one_trace_at_a_time(tiny_cnn):
+    """After a backward in this process, forked workers cannot run autograd: they say so
+    and the bench traces every recipe itself, with the same answer."""
+    answers = []
+    for jobs in (1, 2):
+        session = Session(tiny_cnn, gpu_memory="1750MiB", jobs=jobs)
+        session.estimate(batch_size=2, input_shape=(3, 32, 32))  # autograd has run here
+        plan = session.plan(batch_size=64, input_shape=(3, 32, 32))
+        assert plan.side_by_side == 0
+        answers.append(_without_timing(plan.to_json()))
+    assert answers[0] == answers[1]
+
+
+def test_jobs_must_be_positive(tiny_cnn, run_cli):
+    code, _, err = run_cli("max-batch", tiny_cnn, "--gpu-memory", "1800MiB", "--jobs", "0")
+    assert code == 2 and "--jobs must be 1 or more" in err and "Traceback" not in err
+
+
+def test_the_search_trials_of_several_jobs_cover_what_bisection_tries():
+    """Selective checkpointing's counts: one job bisects; more split the bracket evenly,
+    inside it, without repeats."""
+    assert _between(0, 32, 1) == [16]
+    for low, high in [(0, 32), (5, 9), (16, 18), (0, 2)]:
+        for parts in (2, 3, 8):
+            counts = _between(low, high, parts)
+            assert counts == sorted(set(counts))
+            assert all(low < n < high for n in counts)
+            assert len(counts) == min(parts, high - low - 1)
+    trials = _accumulation_trials(Recipe(batch_size=12, grad_accum=2), {})
+    assert [(t["batch_size"], t["grad_accum"]) for t in trials] == [
+        (6, 4), (4, 6), (3, 8), (2, 12), (1, 24)
+    ]  # fmt: skip
+    assert _accumulation_trials(Recipe(batch_size=8), {"optimizer_in_backward": True}) == []
