@@ -88,7 +88,7 @@ class Session:
     repository ships (``auto_map``); off by default.
     ``progress(event)`` is called as each trace starts and ends (a ``TraceEvent``: label,
     index, seconds once done); ``Session.log`` keeps every trace's label and seconds.
-    ``jobs``: processes ``plan`` and ``max_batch`` may trace in at once (None: the usable
+    ``jobs``: processes ``plan`` and ``max_batch`` may trace in at once (None: the idle
     cores, at most ``planner.parallel.MAX_JOBS``; 1: one trace at a time).
     """
 

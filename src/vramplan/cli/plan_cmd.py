@@ -86,7 +86,7 @@ JobsOpt = Annotated[
     typer.Option(
         "--jobs",
         "-j",
-        help="Processes that trace at once (default: the usable cores, at most 8; 1: one "
+        help="Processes that trace at once (default: the idle cores, at most 8; 1: one "
         "trace at a time). The answer is the same; only the wall-clock changes.",
     ),
 ]

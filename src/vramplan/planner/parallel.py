@@ -62,7 +62,9 @@ _BENCH: Workbench | None = None
 
 def default_jobs() -> int:
     """The processes ``plan`` and ``max-batch`` trace with when ``--jobs`` is not given: the
-    cores this process may run on, at most ``MAX_JOBS``.
+    cores this process may run on that are not busy already (less the one-minute load
+    average, as ``make --load-average`` reads it), at least 1 and at most ``MAX_JOBS``. A
+    worker on a busy core only slows the others down.
 
     >>> 1 <= default_jobs() <= MAX_JOBS
     True
@@ -71,7 +73,11 @@ def default_jobs() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
-    return max(1, min(cores, MAX_JOBS))
+    try:
+        busy = os.getloadavg()[0]
+    except OSError:  # no load average here
+        busy = 0.0
+    return max(1, min(round(cores - busy), MAX_JOBS))
 
 
 def can_fork() -> bool:
