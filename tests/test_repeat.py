@@ -55,6 +55,9 @@ CONFIGS = {
         "max_position_embeddings": 128,
     },
 }
+# Tied input/output embeddings: no lm_head parameter, so the final norm's gradient (a 1-D
+# ``sum`` like a block norm's) ends every per-parameter list right after the last block.
+CONFIGS["llama-tied"] = {**CONFIGS["llama"], "tie_word_embeddings": True}
 
 
 @pytest.fixture(autouse=True)
@@ -106,6 +109,12 @@ def _assert_equal(full, repeated) -> None:
         ("llama", {"checkpointing": "full", "precision": "bf16"}),
         ("gpt2", {"precision": "amp-bf16"}),
         ("gpt2", {"mode": "infer"}),
+        ("llama-tied", {}),
+        ("llama-tied", {"precision": "bf16"}),
+        ("llama-tied", {"precision": "amp-bf16"}),
+        ("llama-tied", {"checkpointing": "full"}),
+        ("llama-tied", {"optimizer": "sgd"}),
+        ("llama-tied", {"mode": "infer"}),
     ],
 )
 def test_repeated_blocks_equal_the_full_trace(tmp_path, kind, knobs):

@@ -250,14 +250,9 @@ def _regions(tok2: list[tuple], tok3: list[tuple], slots3, side: int = 0) -> lis
     -1: only after it; gradients freed by ``zero_grad`` carry no module name), runs are put
     as late (early) as that allows, and a run of frees where the storages born in the other
     runs die (``_follow_births``)."""
-    matcher = difflib.SequenceMatcher(None, tok2, tok3, autojunk=False)
     regions = []
     spans: list[tuple[_Region, int, int]] = []
-    for tag, _i1, _i2, j1, j2 in matcher.get_opcodes():
-        if tag == "equal":
-            continue
-        if tag != "insert":
-            raise NotRepeatable(f"the 3-block trace differs from the 2-block one at {j1}")
+    for j1, j2 in _insertions(tok2, tok3):
         kinds = [bool(t) and t[0] for t in tok3[j1:j2]]
         turn = kinds.index(False) if False in kinds else len(kinds)
         split = _straddle(tok3, j1, j2)
@@ -288,6 +283,47 @@ def _regions(tok2: list[tuple], tok3: list[tuple], slots3, side: int = 0) -> lis
     for region in regions:
         region.start, region.end = _same_iteration(tok3, region)
     return regions
+
+
+def _insertions(tok2: list[tuple], tok3: list[tuple]) -> list[tuple[int, int]]:
+    """The runs ``[j1, j2)`` of the 3-block trace that the 2-block one lacks: the diff's
+    insertions, two of them merged where one insertion explains both (``_joined``)."""
+    matcher = difflib.SequenceMatcher(None, tok2, tok3, autojunk=False)
+    runs: list[tuple[int, int]] = []
+    for tag, _i1, _i2, j1, j2 in matcher.get_opcodes():
+        if tag == "equal":
+            continue
+        if tag != "insert":
+            raise NotRepeatable(f"the 3-block trace differs from the 2-block one at {j1}")
+        joined = _joined(tok3, *runs[-1], j1, j2) if runs else None
+        if joined is not None:
+            runs[-1] = joined
+        else:
+            runs.append((j1, j2))
+    return runs
+
+
+def _joined(tok3: list[tuple], p1: int, p2: int, j1: int, j2: int) -> tuple[int, int] | None:
+    """One insertion in place of two, ``[p1, p2)`` and ``[j1, j2)`` with the events between
+    them kept, where the same events can be kept around a single run; else None.
+
+    The diff aligns repeats as it finds its longest matches first, so one block's events
+    can come out split: a tied Llama's ``zero_grad`` frees the gradients of the embedding,
+    the blocks (``mm`` x7, ``sum`` x2 each) and the final norm (``sum``, like a block's),
+    and the diff keeps the 2-block trace's last ``sum`` inside the inserted block.
+
+    >>> t = list("e" "mmss" "mmss" "mmss" "s")  # the 2-block trace "emmssmmsss" and a block
+    >>> _joined(t, 9, 11, 12, 14)  # the diff inserts "mm" and, one "s" later, "ss"
+    (9, 13)
+    """
+    gap, d = j1 - p2, (p2 - p1) + (j2 - j1)
+    if gap > d:
+        return None
+    window, kept = tok3[p1:j2], tok3[p2:j1]
+    for k in range(gap + 1):
+        if window[:k] + window[k + d :] == kept:
+            return p1 + k, p1 + k + d
+    return None
 
 
 def _follow_births(spans, regions: list[_Region], tok3: list[tuple], slots3) -> None:
