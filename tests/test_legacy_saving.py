@@ -1,5 +1,6 @@
-"""Autograd's saving rule before PyTorch 1.8 (``--stack torch1.7-cu10.2`` and older):
-``mul``/``div`` keep both operands when one requires a gradient.
+"""Autograd's saving rule before PyTorch 1.1 (``--stack torch1.0-cu10.0`` and older):
+``mul``/``div`` keep both operands when one requires a gradient. From 1.1 (PR #16583)
+the generated code guards those saves, as today's does.
 
 Ground truth: PyTorch's own ``saved_tensors_hooks`` on real CPU runs, and the bytes of
 the tensors the old rule adds (exact arithmetic).
@@ -109,22 +110,26 @@ class BiasThenFrozenNorms(nn.Module):
         return self.body(x + self.bias)
 
 
-def test_an_old_stack_traces_the_frozen_batch_norm_inputs():
+def test_only_a_stack_before_1_1_traces_the_frozen_batch_norm_inputs():
     recipe = Recipe(batch_size=BATCH, input_shape=(CHANNELS, SIDE, SIDE), optimizer="sgd")
     estimates = {}
-    for stack in ("torch1.1-cu10.0", "torch2.4-cu12.4"):
+    for stack in ("torch1.0-cu10.0", "torch1.1-cu10.0", "torch1.7-cu10.2", "torch2.4-cu12.4"):
         model = BiasThenFrozenNorms()
         built = image_classifier("net", "BiasThenFrozenNorms", model, (CHANNELS, SIDE, SIDE))
         options = device_options(gpu="v100-32gb", stack=stack)
         estimates[stack] = estimate_built(built, recipe, "cuda", options)
-    old, new = estimates["torch1.1-cu10.0"], estimates["torch2.4-cu12.4"]
-    assert any("before PyTorch 1.8" in note for note in old.notes)
-    assert not any("before PyTorch 1.8" in note for note in new.notes)
+    rule = "before PyTorch 1.1: mul/div"
+    assert any(rule in note for note in estimates["torch1.0-cu10.0"].notes)
+    for stack in ("torch1.1-cu10.0", "torch1.7-cu10.2", "torch2.4-cu12.4"):
+        assert not any(rule in note for note in estimates[stack].notes)
     # the first norm's input (x + bias) is kept only by the old rule; the second norm's
     # input is the ReLU's output, which ReLU keeps under either rule
     feature_map = BATCH * CHANNELS * SIDE * SIDE * 4
     kept = Component.ACTIVATIONS
-    assert old.components[kept] - new.components[kept] == feature_map
+    activations = {stack: e.components[kept] for stack, e in estimates.items()}
+    assert activations["torch1.0-cu10.0"] - activations["torch2.4-cu12.4"] == feature_map
+    assert activations["torch1.1-cu10.0"] == activations["torch1.7-cu10.2"]
+    assert activations["torch1.7-cu10.2"] == activations["torch2.4-cu12.4"]
 
 
 def test_a_checkpointed_block_recomputes_under_the_old_rule():

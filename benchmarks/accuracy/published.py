@@ -12,7 +12,7 @@ an nvml-v1 reading includes is taken out of it and counted once). Device-level r
 report whether the measurement lies in vramplan's [low, high] range.
 
 The ``stack`` column names the software stack a row was measured on (``--stack``), where
-it changes the step: autograd before PyTorch 1.8 kept both operands of mul/div
+it changes the step: autograd before PyTorch 1.1 kept both operands of mul/div
 (``trace/legacy_saving.py``), before 1.11 softmax's input (``trace/legacy_softmax.py``),
 and optimizers before 2.0 looped per parameter. The 2022 BERT rows also name
 ``additive_mask`` (transformers 4.15 always added its attention mask to the scores).

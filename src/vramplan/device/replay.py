@@ -392,7 +392,7 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
         notes.append(
             f"stack {stack.slug} is older than the PyTorch traced ({default_stack().slug}): "
             "its zero_grad, optimizer and module-loading defaults and autograd's saving "
-            "rules (mul/div before 1.8, softmax before 1.11) are modelled, other "
+            "rules (mul/div before 1.1, softmax before 1.11) are modelled, other "
             "operator changes between them are not in the range"
         )
     notes.append(

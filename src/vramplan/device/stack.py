@@ -78,11 +78,11 @@ class Stack:
     @property
     def saves_every_operand(self) -> bool:
         """Whether autograd kept every operand of ``mul``/``div`` whatever required a
-        gradient (before PyTorch 1.8; ``trace/legacy_saving.py``).
+        gradient (before PyTorch 1.1; ``trace/legacy_saving.py``).
 
-        >>> parse_stack("torch1.1-cu10.0").saves_every_operand
+        >>> parse_stack("torch1.0-cu10.0").saves_every_operand
         True
-        >>> parse_stack("torch2.14-cu12.8").saves_every_operand
+        >>> parse_stack("torch1.1-cu10.0").saves_every_operand
         False
         """
         rule = runtime_table()["autograd_saving"]

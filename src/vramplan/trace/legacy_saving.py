@@ -1,12 +1,14 @@
-"""What autograd kept for a multiplication or a division before PyTorch 1.8.
+"""What autograd kept for a multiplication or a division before PyTorch 1.1.
 
-Today's autograd code generation saves an operand only when a gradient that needs it will
-be computed: ``x * scale`` with only ``x`` requiring a gradient keeps ``scale`` (small)
-and lets ``x`` go. Until the codegen guarded each save by ``should_compute_output``
-(pytorch/pytorch PR #45777, late 2020, so PyTorch 1.8; issue #42371 and the codegen
-excerpt in PR #46296 show both sides), ``mul`` and ``div`` kept every operand their
-derivative formulas name whenever any input required a gradient. A FrozenBatchNorm2d
-(``x * scale + bias``) then kept its full-size input ``x`` as well.
+Autograd's code generation saves an operand only when a gradient that needs it will be
+computed: ``x * scale`` with only ``x`` requiring a gradient keeps ``scale`` (small) and
+lets ``x`` go. The codegen has guarded such saves by ``should_compute_output`` since
+pytorch/pytorch PR #16583 (January 2019, so PyTorch 1.1; it names ``mul`` and ``div``
+among the operators it changes; PR #46296 quotes the guarded ``mul_`` code of late 2020).
+Before, ``mul`` and ``div`` kept every operand their derivative formulas name whenever
+any input required a gradient, and a FrozenBatchNorm2d (``x * scale + bias``) kept its
+full-size input ``x`` as well. (PR #45777, PyTorch 1.8, extended the guards to
+``mm``/``addmm``, whose formulas named ``mat1`` in its own gradient; not modelled.)
 
 While tracing for such a stack, ``saving_every_operand`` routes an out-of-place ``mul``
 or ``div`` of two tensors, exactly one of which requires a gradient, through a function
@@ -102,7 +104,7 @@ def _saving_both(original: Callable, function: type[torch.autograd.Function]) ->
 
 
 def saving_every_operand():
-    """Trace ``mul``/``div`` as autograd before PyTorch 1.8 saved them (module docstring)."""
+    """Trace ``mul``/``div`` as autograd before PyTorch 1.1 saved them (module docstring)."""
     return patched(
         (*place, _saving_both(original, _MulSavingBoth if place in _MUL else _DivSavingBoth))
         for place, original in _ORIGINALS.items()

@@ -71,7 +71,7 @@ class CudaPolicy(CpuPolicy):
     """What a CUDA GPU does differently: CUDA's autocast op lists and weight-cast cache,
     foreach optimizers by default (``foreach``: PyTorch >= 2.0; a per-parameter loop before),
     the optimizer's ``step`` counters kept on the host; with ``saves_every_operand``
-    (PyTorch before 1.8), autograd's old saving rule for mul/div (``legacy_saving.py``);
+    (PyTorch before 1.1), autograd's old saving rule for mul/div (``legacy_saving.py``);
     with ``softmax_keeps_input`` (before 1.11), softmax's (``legacy_softmax.py``).
     ``arch`` names the GPU architecture. One policy serves one traced run.
 
@@ -128,7 +128,7 @@ class CudaPolicy(CpuPolicy):
         notes = []
         if self.saves_every_operand:
             notes.append(
-                "autograd as before PyTorch 1.8: mul/div keep both operands whenever one "
+                "autograd as before PyTorch 1.1: mul/div keep both operands whenever one "
                 "requires a gradient (a FrozenBatchNorm2d keeps its input)"
             )
         if self.softmax_keeps_input:
