@@ -85,6 +85,7 @@ def knobs(text: str) -> dict:
         "loss_no_upcast",
         "additive_mask",
         "compile",
+        "anchor_cache",
     )
     found: dict = {}
     for pair in text.split():

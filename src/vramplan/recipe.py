@@ -119,6 +119,9 @@ class Recipe:
     # detection: the targets on the GPU beyond what the model needs ("masks": a mask per
     # box in every target, as torchvision's reference scripts load COCO)
     targets_on_gpu: str = "model"
+    # detection: torchvision < 0.5's AnchorGenerator kept the anchors of every padded batch
+    # shape it met (sources/anchor_cache.py)
+    anchor_cache: bool = False
     resolution: int | None = None  # diffusion (sources/diffusion.py): image side in pixels
     frames: int | None = None  # video (sources/vision.py): frames per clip
     # diffusion: VAE latents and text states precomputed, or the frozen encoders in the step
@@ -474,6 +477,7 @@ VISION_DEFAULTS = {
     "boxes_per_image": 20,
     "detection_counts": "max",
     "targets_on_gpu": "model",
+    "anchor_cache": False,
     "resolution": None,
     "frames": None,
     "diffusion_encoders": "precomputed",

@@ -27,6 +27,7 @@ from torch import nn
 
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
+from vramplan.sources.anchor_cache import hold_cached_anchors
 from vramplan.sources.base import Batch, BuiltModel
 from vramplan.sources.data_dependent import CountPolicy, Ledger, PolicySampler, counted
 
@@ -200,6 +201,10 @@ def detection_source(
         return sum(losses.values())
 
     notes = [policy.note(), f"{boxes} ground-truth boxes per image (--boxes-per-image)"]
+    if recipe.anchor_cache:
+        traced = [shapes[index % len(shapes)][1:] for index in range(recipe.batch_size)]
+        note = hold_cached_anchors(model, traced, recipe.batch_size)
+        notes += [note] if note else []
     if with_masks and not mask_head:
         notes.append(
             "a uint8 mask per box in every target (--targets-on-gpu masks), resized with its "
