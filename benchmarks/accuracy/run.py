@@ -75,6 +75,9 @@ def run_one(row: dict, device: str) -> dict:
     except UserError as exc:
         out["status"] = f"error: {exc}"
         return out
+    except Exception as exc:  # a benchmark records a workload that breaks and goes on
+        out["status"] = f"failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        return out
     out["status"] = "oom" if result.measured.oom else "ok"
     peak = result.estimate.peak
     estimates = {
@@ -126,6 +129,19 @@ def summarise(rows: list[dict]) -> list[str]:
     return lines
 
 
+def _label(rows: list[dict], device: str) -> str:
+    return rows[0]["gpu"].replace(" ", "_") if device == "cuda" and rows[0].get("gpu") else "cpu"
+
+
+def _write_csv(rows: list[dict], options: argparse.Namespace, stamp: str) -> Path:
+    path = options.output / f"{options.device}-{_label(rows, options.device)}-{stamp}.csv"
+    with path.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
+        writer.writeheader()
+        writer.writerows(rows)
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", choices=["cpu", "cuda"], default=default_device())
@@ -138,7 +154,9 @@ def main() -> None:
         workloads = [w for w in workloads if options.only in w["name"]]
     if options.quick:
         workloads = workloads[:8]
-    rows = []
+    stamp = datetime.date.today().isoformat()
+    options.output.mkdir(parents=True, exist_ok=True)
+    rows, path = [], None
     for row in workloads:
         result = run_one(row, options.device)
         rows.append(result)
@@ -148,15 +166,11 @@ def main() -> None:
             f"{'' if error is None else f'{float(error):+.2%}'}",
             flush=True,
         )
-    stamp = datetime.date.today().isoformat()
-    options.output.mkdir(parents=True, exist_ok=True)
-    label = rows[0]["gpu"].replace(" ", "_") if options.device == "cuda" and rows else "cpu"
-    path = options.output / f"{options.device}-{label}-{stamp}.csv"
-    with path.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+        path = _write_csv(rows, options, stamp)  # after every workload: a cut-off run keeps it
+    if path is None:
+        return
     summary = summarise([r for r in rows if r["status"] == "ok"])
+    label = _label(rows, options.device)
     header = (
         f"Accuracy study on {options.device} ({label}), torch {torch.__version__}, "
         f"{stamp}: {sum(r['status'] == 'ok' for r in rows)} of {len(rows)} workloads ran."

@@ -34,6 +34,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-study", action="store_true", help="do not run the study")
     parser.add_argument("--measured-dir", type=Path, default=MEASURED)
     parser.add_argument("--conv-budget-s", type=float, help="seconds per benchmark setting")
+    parser.add_argument(
+        "--budget-s", type=float, default=BUDGET_S, help="the study ends by then (seconds)"
+    )
     return parser.parse_args(argv)
 
 
@@ -157,7 +160,7 @@ def run(options: argparse.Namespace) -> int:
     except (ValueError, KeyError, TypeError) as exc:
         harvest.section("measured", {"error": f"{type(exc).__name__}: {exc}"})
     if not options.skip_study:
-        timeout = max(120.0, BUDGET_S - harvest.elapsed())
+        timeout = max(120.0, options.budget_s - harvest.elapsed())
         harvest.section(
             "study", study.run_accuracy_study(harvest.folder / "accuracy", options.quick, timeout)
         )
