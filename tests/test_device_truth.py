@@ -310,3 +310,34 @@ def test_what_the_harvest_writes_is_what_the_device_model_reads(tmp_path, monkey
     )
     assert (outside.cuda_context, outside.cudnn_kernels) == (500 * MiB, 400 * MiB)
     assert driver_reserved_bytes(A100, options.measured) == 424 * MiB
+
+
+def test_the_h200_table_serves_batches_it_did_not_run():
+    """The committed H200 harvest ran vgg16's convolutions at batch 32 and 128; batch 64 is
+    affine between them, the measured batches come back exactly, beyond them proportional
+    (``python -m benchmarks.accuracy.gpu_table`` checks the estimate against the fresh-process
+    vgg16 batch-64 run: allocated within 0.1%)."""
+    from vramplan.device.cudnn import ConvCase
+    from vramplan.device.measured import measured_for
+
+    table = measured_for("H200", "torch2.11-cu13.0")
+    assert table is not None and table.nvml["driver_reserved_bytes"] == 644939776
+
+    def case(batch: int) -> ConvCase:
+        shape = (batch, 64, 224, 224)
+        return ConvCase(
+            "forward", "float32", "contiguous", shape, (64, 64, 3, 3), (1, 1), (1, 1), (1, 1), 1
+        )
+
+    small, large = table.workspace(case(32), False), table.workspace(case(128), False)
+    assert table.workspaces[_table_key(case(32))] == small
+    middle = table.workspace(case(64), False)
+    assert middle == tuple(round(a + (b - a) / 3) for a, b in zip(small, large, strict=True))
+    assert table.workspace(case(256), False) == tuple(2 * b for b in large)
+    assert table.workspace(case(64), True) is not None  # benchmark-on rows interpolate too
+
+
+def _table_key(case) -> tuple:
+    from vramplan.device.measured import _key
+
+    return _key(case, False)

@@ -432,6 +432,7 @@ def test_child_json_round_trip():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_command_refuses_cleanly_without_a_gpu():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    before = sorted(Path(ROOT, "src", "vramplan", "data").glob("measured/*.json"))
     done = subprocess.run(
         [sys.executable, "-m", "benchmarks.gpu_harvest", "--quick"],
         cwd=ROOT,
@@ -444,7 +445,7 @@ def test_command_refuses_cleanly_without_a_gpu():
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "CUDA GPU" in lines[0]
     assert "Traceback" not in done.stderr
-    assert not list(Path(ROOT, "src", "vramplan", "data").glob("measured/*.json"))
+    assert sorted(Path(ROOT, "src", "vramplan", "data").glob("measured/*.json")) == before
 
 
 def test_measure_case_records_every_pass_twice_with_stubbed_recording(monkeypatch):

@@ -117,3 +117,29 @@ def test_calibrated_profile_replaces_the_runtime_table(run_cli, gpt2_config, tmp
     assert after["peak"]["reserved_bytes"] == before["peak"]["reserved_bytes"]
     code, _, err = run_cli("estimate", f"hf:{config}", "--profile", str(tmp_path / "x"))
     assert code == 2 and "device profile not found" in err
+
+
+def test_device_totals_are_compared_in_the_estimates_counter(models):
+    """NVML's per-process reading has no driver reserve; an nvml-v1 estimate counts it. The
+    H200 harvest (benchmarks/results/gpu-nvidia-h200-2026-11-27) read 938 MiB for the process
+    of resnet18-sgd and a 615.1 MiB reserve (NVML v2 reserved)."""
+    import vramplan
+    from vramplan.measurement.compare import errors_of, relative_error
+    from vramplan.measurement.nvml import NvmlUsed
+    from vramplan.measurement.run import Measurement
+
+    harvest = "benchmarks/results/gpu-nvidia-h200-2026-11-27/harvest.json"
+    with open(harvest) as handle:
+        reserve = json.load(handle)["nvml_idle"]["v2_reserved"]
+    process = 938 * 2**20
+    used = NvmlUsed(process, "nvml-v2", reserve)
+    measured = Measurement("cuda:NVIDIA H200", 3, 10, (10,), 20, process, used=used)
+    for counter, expected in (("nvml-v1", process + reserve), ("nvml-v2", process)):
+        session = vramplan.Session(f"{models}:clean", gpu="h200", used_counter=counter)
+        estimate = session.estimate(batch_size=4, input_shape=(64,))
+        assert estimate.details["used_counter"] == counter
+        errors = errors_of(estimate, measured)
+        assert errors["device_total"] == relative_error(estimate.peak.device_total_bytes, expected)
+    unknown = NvmlUsed(process, "nvml-v2")  # a driver that does not report its reserve
+    assert unknown.in_counter("nvml-v1") is None and unknown.in_counter("nvml-v2") == process
+    assert NvmlUsed(process + reserve, "nvml-v1", reserve).in_counter("nvml-v2") == process

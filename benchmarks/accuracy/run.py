@@ -15,9 +15,12 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import multiprocessing
 import platform
 import statistics
 import time
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
 import torch
@@ -108,6 +111,18 @@ def run_one(row: dict, device: str) -> dict:
     return out
 
 
+def run_fresh(row: dict, device: str) -> dict:
+    """``run_one`` in a new process, as a training job starts: on CUDA the device total
+    then holds only the kernels this workload loads (one process for the whole study keeps
+    every earlier workload's cuBLAS and cuDNN kernels loaded)."""
+    context = multiprocessing.get_context("spawn")
+    try:
+        with ProcessPoolExecutor(1, mp_context=context) as pool:
+            return pool.submit(run_one, row, device).result()
+    except BrokenProcessPool as exc:
+        return {**{k: row[k] for k in COLUMNS if k in row}, "status": f"failed: {exc}"}
+
+
 def summarise(rows: list[dict]) -> list[str]:
     lines = [
         "| figure | workloads | median abs error | p95 abs error | worst under-prediction |",
@@ -148,7 +163,13 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only the first 8 workloads")
     parser.add_argument("--only", help="only workloads whose name contains this")
     parser.add_argument("--output", type=Path, default=HERE / "results")
+    parser.add_argument(
+        "--same-process",
+        action="store_true",
+        help="run every workload in this process (on CUDA each gets a fresh one by default)",
+    )
     options = parser.parse_args()
+    fresh = options.device == "cuda" and not options.same_process
     workloads = load_workloads()
     if options.only:
         workloads = [w for w in workloads if options.only in w["name"]]
@@ -158,7 +179,7 @@ def main() -> None:
     options.output.mkdir(parents=True, exist_ok=True)
     rows, path = [], None
     for row in workloads:
-        result = run_one(row, options.device)
+        result = run_fresh(row, options.device) if fresh else run_one(row, options.device)
         rows.append(result)
         error = result.get("error_allocated")
         print(

@@ -62,14 +62,46 @@ class MeasuredTable:
     workspaces: dict[tuple, tuple[int, int]] = field(default_factory=dict)
     """Per configuration: the first call's workspace (with benchmark on, the search's
     largest candidate) and the cached plan's, which every later call asks for."""
+    batches: dict[tuple, list[tuple[int, tuple[int, int]]]] = field(default_factory=dict)
+    """The same workspaces per configuration less its batch: (batch, workspaces), sorted."""
 
     @property
     def stack_slug(self) -> str:
         return stack_slug(self.stack.get("torch", "?"), self.stack.get("cuda", "?"))
 
     def workspace(self, case: ConvCase, benchmark: bool) -> tuple[int, int] | None:
-        """(first call, cached calls) workspace of a configuration, if the harvest ran it."""
-        return self.workspaces.get(_key(case, benchmark))
+        """(first call, cached calls) workspace of a configuration: the harvest's own, or at a
+        batch it did not run, from the batches it ran (``between_batches``)."""
+        exact = self.workspaces.get(_key(case, benchmark))
+        if exact is not None:
+            return exact
+        points = self.batches.get(_unbatched(_key(case, benchmark)))
+        return between_batches(points, int(case.input[0])) if points else None
+
+
+def between_batches(points: list[tuple[int, tuple[int, int]]], batch: int) -> tuple[int, int]:
+    """Workspaces at ``batch`` from those measured at other batches of one configuration:
+    affine between the two nearest around it, proportional to the nearest beyond them. The
+    engine cuDNN's heuristic picks holds per-image buffers, so its workspace grows with the
+    batch (the H200 table's batch-128 workspaces are 2.8 to 4.0 times its batch-32 ones).
+
+    >>> between_batches([(32, (100, 10)), (128, (400, 40))], 64)
+    (200, 20)
+    >>> between_batches([(32, (100, 10)), (128, (400, 40))], 256)
+    (800, 80)
+    """
+    below = [p for p in points if p[0] <= batch]
+    above = [p for p in points if p[0] >= batch]
+    if below and above and below[-1][0] != above[0][0]:
+        (n0, w0), (n1, w1) = below[-1], above[0]
+        share = (batch - n0) / (n1 - n0)
+        return tuple(round(a + (b - a) * share) for a, b in zip(w0, w1, strict=True))
+    n, sizes = below[-1] if below else above[0]
+    return tuple(round(size * batch / n) for size in sizes)
+
+
+def _unbatched(key: tuple) -> tuple:
+    return (*key[:3], key[3][1:], *key[4:])
 
 
 def _key(case: ConvCase, benchmark: bool) -> tuple:
@@ -128,6 +160,9 @@ def parse_table(data: dict, path: str = "<memory>") -> MeasuredTable:
                 first,
                 first if cached is None else int(cached),
             )
+        batches: dict[tuple, list] = {}
+        for key, sizes in workspaces.items():
+            batches.setdefault(_unbatched(key), []).append((key[3][0], sizes))
         return MeasuredTable(
             path=path,
             gpu=data["gpu"],
@@ -136,6 +171,7 @@ def parse_table(data: dict, path: str = "<memory>") -> MeasuredTable:
             nvml={k: int(v) for k, v in data.get("nvml", {}).items() if v is not None},
             cublas=dict(data.get("cublas", {})),
             workspaces=workspaces,
+            batches={key: sorted(points) for key, points in batches.items()},
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"malformed measured table {path}: {exc}") from None

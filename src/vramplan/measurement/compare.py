@@ -29,6 +29,10 @@ class Comparison:
     errors: dict[str, float]
     leak: LeakReport
 
+    def pairs(self) -> dict[str, tuple[int | None, int | None]]:
+        """(estimate, measurement) of each figure, the device totals in one counter."""
+        return figure_pairs(self.estimate, self.measured)
+
     def to_json(self) -> dict:
         return {
             "schema": "vramplan.measure/1",
@@ -39,15 +43,23 @@ class Comparison:
         }
 
 
-def errors_of(estimate: Estimate, measured: Measurement) -> dict[str, float]:
-    """Relative error of each figure both sides have."""
-    pairs = {
+def figure_pairs(
+    estimate: Estimate, measured: Measurement
+) -> dict[str, tuple[int | None, int | None]]:
+    """(estimate, measurement) per figure; the measured device total in the counter the
+    estimate states (a per-process NVML reading gains the driver reserve for nvml-v1)."""
+    counter = estimate.details.get("used_counter", "nvml-v1")
+    return {
         "allocated": (estimate.peak.allocated_bytes, measured.allocated_bytes),
         "reserved": (estimate.peak.reserved_bytes, measured.reserved_bytes),
-        "device_total": (estimate.peak.device_total_bytes, measured.device_total_bytes),
+        "device_total": (estimate.peak.device_total_bytes, measured.device_total_in(counter)),
     }
+
+
+def errors_of(estimate: Estimate, measured: Measurement) -> dict[str, float]:
+    """Relative error of each figure both sides have."""
     return {
         name: relative_error(est, real)
-        for name, (est, real) in pairs.items()
+        for name, (est, real) in figure_pairs(estimate, measured).items()
         if est is not None and real
     }

@@ -21,7 +21,7 @@ import torch
 
 from vramplan.device.catalog import GpuSpec, gpu_from_memory, lookup_gpu
 from vramplan.errors import UserError
-from vramplan.measurement.nvml import driver_version, nvml_used_bytes
+from vramplan.measurement.nvml import NvmlUsed, driver_version, nvml_used
 from vramplan.optimizers import build_optimizer
 from vramplan.recipe import Recipe
 from vramplan.result import Phase
@@ -46,6 +46,12 @@ class Measurement:
     oom: dict | None = None
     snapshot: str | None = None
     versions: dict = field(default_factory=dict)
+    used: NvmlUsed | None = None
+    """The NVML reading ``device_total_bytes`` came from, with its counter."""
+
+    def device_total_in(self, counter: str) -> int | None:
+        """The measured device total as ``counter`` (nvml-v1 / nvml-v2) shows it."""
+        return self.used.in_counter(counter) if self.used else self.device_total_bytes
 
     def to_json(self) -> dict:
         data = {
@@ -57,6 +63,10 @@ class Measurement:
         for name in ("reserved_bytes", "device_total_bytes", "rss_bytes", "oom", "snapshot"):
             if getattr(self, name) is not None:
                 data[name] = getattr(self, name)
+        if self.used:
+            data["used_counter"] = self.used.counter
+            if self.used.driver_reserved_bytes is not None:
+                data["driver_reserved_bytes"] = self.used.driver_reserved_bytes
         if self.versions:
             data["versions"] = self.versions
         return data
@@ -258,11 +268,21 @@ def _measure_cpu(built: BuiltModel, recipe: Recipe, steps: int) -> Measurement:
     )
 
 
+def _fresh_allocator() -> None:
+    """Start from what a new training process has: no cached blocks and no cuBLAS workspaces
+    left by an earlier measurement in this process (cuBLAS keeps one allocated block per
+    handle and stream until ``_cuda_clearCublasWorkspaces``), and peaks reset."""
+    gc.collect()
+    torch._C._cuda_clearCublasWorkspaces()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+
+
 def _measure_cuda(
     built: BuiltModel, recipe: Recipe, steps: int, snapshot: str | None
 ) -> Measurement:
     torch.cuda.init()
-    torch.cuda.reset_peak_memory_stats()
+    _fresh_allocator()
     if snapshot:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     clock = _PhaseClock()
@@ -274,7 +294,7 @@ def _measure_cuda(
         oom = {"phase": clock.phase, "step": clock.iteration, "error": str(exc).splitlines()[0]}
     allocated = torch.cuda.max_memory_allocated()
     reserved = torch.cuda.max_memory_reserved()
-    used = nvml_used_bytes()
+    used = nvml_used()
     if snapshot:
         torch.cuda.memory._dump_snapshot(snapshot)
         torch.cuda.memory._record_memory_history(enabled=None)
@@ -288,7 +308,8 @@ def _measure_cuda(
         allocated_bytes=allocated,
         after_step_bytes=tuple(clock.step_memory),
         reserved_bytes=reserved,
-        device_total_bytes=used,
+        device_total_bytes=used.bytes if used else None,
+        used=used,
         oom=oom,
         snapshot=snapshot,
         versions={

@@ -19,13 +19,8 @@ if TYPE_CHECKING:
 
 def comparison_rows(result: Comparison, units: str) -> list[list[str]]:
     """Header and rows of estimate vs measurement, for the HTML report."""
-    peak, measured = result.estimate.peak, result.measured
     rows = [["figure", "estimate", "measured", "error"]]
-    for name, estimate, real in (
-        ("allocated", peak.allocated_bytes, measured.allocated_bytes),
-        ("reserved", peak.reserved_bytes, measured.reserved_bytes),
-        ("device_total", peak.device_total_bytes, measured.device_total_bytes),
-    ):
+    for name, (estimate, real) in result.pairs().items():
         if real is not None and estimate is not None:
             rows.append(
                 [
@@ -46,22 +41,15 @@ def render_comparison(result: Comparison, units: str) -> None:
     table = Table(title="Estimate vs measurement", title_justify="left")
     for column in ("figure", "estimate", "measured", "error"):
         table.add_column(column, justify="left" if column == "figure" else "right")
-    rows = [
-        ("allocated (peak)", est.peak.allocated_bytes, measured.allocated_bytes),
-        ("reserved (peak)", est.peak.reserved_bytes, measured.reserved_bytes),
-        ("device total", est.peak.device_total_bytes, measured.device_total_bytes),
-    ]
-    names = dict(
-        zip(
-            ("allocated (peak)", "reserved (peak)", "device total"),
-            ("allocated", "reserved", "device_total"),
-            strict=True,
-        )
-    )
-    for label, estimate, real in rows:
+    labels = {
+        "allocated": "allocated (peak)",
+        "reserved": "reserved (peak)",
+        "device_total": f"device total ({est.details.get('used_counter', 'nvml-v1')})",
+    }
+    for name, (estimate, real) in result.pairs().items():
         if real is None:
             continue
-        error = result.errors.get(names[label])
+        label, error = labels[name], result.errors.get(name)
         table.add_row(
             label, fmt(estimate), fmt(real), f"{error:+.1%}" if error is not None else "-"
         )

@@ -118,7 +118,7 @@ def generic_loss(output: Any) -> torch.Tensor:
         else:
             raise UserError("the model returned no tensor to take a loss of; use estimate_step()")
     if tensor.dim() == 2 and tensor.is_floating_point():
-        labels = torch.randint(0, tensor.shape[1], (tensor.shape[0],))
+        labels = torch.randint(0, tensor.shape[1], (tensor.shape[0],), device=tensor.device)
         return classification_loss(tensor, labels)
     return tensor.float().mean()
 
