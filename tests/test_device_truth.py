@@ -182,9 +182,11 @@ def test_a_measured_table_replaces_the_model_for_its_card_and_stack(tmp_path, mo
     assert options.measured is not None
     on = device_trace(trace, A100, False, "high", options.measured)
     assert _workspace_requests(requests_of(on), trace) == [("alloc", 3 * MiB), ("free", 3 * MiB)]
-    # another stack, or another card, keeps the model
-    assert device_options(gpu="a100-40gb", stack="torch2.6-cu12.4").measured is None
+    # another CUDA, or another card, keeps the model; another PyTorch on the same CUDA takes
+    # the table as its central reading only
+    assert device_options(gpu="a100-40gb", stack="torch2.5-cu12.1").measured is None
     assert device_options(gpu="a100-80gb", stack="torch2.5-cu12.4").measured is None
+    assert device_options(gpu="a100-40gb", stack="torch2.6-cu12.4").measured.exact is False
     model = device_trace(trace, A100, False)
     assert _workspace_requests(requests_of(model), trace)[0] == (
         "alloc",
@@ -341,3 +343,28 @@ def _table_key(case) -> tuple:
     from vramplan.device.measured import _key
 
     return _key(case, False)
+
+
+def test_another_pytorch_on_the_same_card_and_cuda_takes_the_table_as_its_central_reading():
+    """The H200 table was measured on torch 2.11 + CUDA 13.0. Torch 2.14 on CUDA 13.0 takes
+    its floor and workspaces as the central figure with the model's range around it; CUDA
+    12.8 takes nothing from it."""
+    import vramplan
+
+    def estimate(stack: str):
+        session = vramplan.Session("torchvision:resnet18", gpu="h200", stack=stack)
+        return session.estimate(batch_size=8, input_shape=(3, 64, 64), optimizer="sgd")
+
+    own, near, other = (
+        estimate(s) for s in ("torch2.11-cu13.0", "torch2.14-cu13.0", "torch2.14-cu12.8")
+    )
+    assert own.details["measured_table"] == near.details["measured_table"] != ""
+    assert other.details["measured_table"] == ""
+    assert near.runtime == own.runtime != other.runtime
+    assert near.peak.device_total_bytes == own.peak.device_total_bytes
+    (own_low, own_high), (near_low, near_high) = (
+        own.peak.device_total_range_bytes,
+        near.peak.device_total_range_bytes,
+    )
+    assert near_low < own_low and near_high > own_high
+    assert any("same card and CUDA" in note for note in near.notes)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
@@ -64,6 +64,9 @@ class MeasuredTable:
     largest candidate) and the cached plan's, which every later call asks for."""
     batches: dict[tuple, list[tuple[int, tuple[int, int]]]] = field(default_factory=dict)
     """The same workspaces per configuration less its batch: (batch, workspaces), sorted."""
+    exact: bool = True
+    """False when the table was measured under another PyTorch on the same card and CUDA
+    (``measured_for``): its figures are the central reading, the model's range stays."""
 
     @property
     def stack_slug(self) -> str:
@@ -193,9 +196,8 @@ def _same_card(reported: str, gpu: str) -> bool:
         return slug(reported) == slug(gpu)
 
 
-def measured_for(gpu: str, stack: str) -> MeasuredTable | None:
-    """The measured table of a catalog card and a stack slug (``torch2.5-cu12.4``):
-    ``$VRAMPLAN_MEASURED_DIR`` first, then the bundled tables; ``None`` when none matches."""
+def _tables_of(gpu: str) -> list[MeasuredTable]:
+    tables = []
     for folder in _folders():
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
             try:
@@ -204,7 +206,45 @@ def measured_for(gpu: str, stack: str) -> MeasuredTable | None:
                 raise UserError(f"malformed measured table {path}: {exc}") from None
             if not isinstance(data, dict) or data.get("schema") != SCHEMA:
                 continue
-            table = parse_table(data, str(path))
-            if table.stack_slug == slug(stack) and _same_card(table.gpu, gpu):
-                return table
-    return None
+            if _same_card(str(data.get("gpu", "")), gpu):
+                tables.append(parse_table(data, str(path)))
+    return tables
+
+
+def torch_distance(slug_a: str, slug_b: str) -> tuple[int, int] | None:
+    """How far apart two stacks' PyTorch releases are, when their CUDA is the same.
+
+    >>> torch_distance("torch2.11-cu13.0", "torch2.14-cu13.0")
+    (0, 3)
+    >>> torch_distance("torch2.11-cu13.0", "torch2.11-cu12.8") is None
+    True
+    """
+    torch_a, _, cuda_a = slug_a.partition("-")
+    torch_b, _, cuda_b = slug_b.partition("-")
+    if cuda_a != cuda_b:
+        return None
+    try:
+        major_a, minor_a = (int(x) for x in torch_a.removeprefix("torch").split("."))
+        major_b, minor_b = (int(x) for x in torch_b.removeprefix("torch").split("."))
+    except ValueError:
+        return None
+    return abs(major_a - major_b), abs(minor_a - minor_b)
+
+
+def measured_for(gpu: str, stack: str) -> MeasuredTable | None:
+    """The measured table of a catalog card and a stack slug (``torch2.5-cu12.4``):
+    ``$VRAMPLAN_MEASURED_DIR`` first, then the bundled tables. Without one for the stack,
+    the table of the nearest PyTorch on the same card and CUDA, marked not ``exact``: the
+    floor (context, kernel images) comes with the CUDA runtime and the driver, and the
+    cuDNN workspaces with the engines cuDNN's heuristics pick on that card, which a
+    PyTorch release with the same CUDA changes less than the engine model misses by (the
+    H200 table's VGG-16 workspaces are 15-23% of the allocated peak below the model's).
+    ``None`` when the card has no table on that CUDA."""
+    tables = _tables_of(gpu)
+    for table in tables:
+        if table.stack_slug == slug(stack):
+            return table
+    near = [(d, t) for t in tables if (d := torch_distance(t.stack_slug, slug(stack)))]
+    if not near:
+        return None
+    return replace(min(near, key=lambda pair: pair[0])[1], exact=False)

@@ -59,7 +59,11 @@ def conv_workspace(
     if sizes is None:
         return engine_workspace(case)
     first, cached = sizes
-    return Workspace(cached, cached, cached, (first,), "measured", measured=True)
+    if measured.exact:
+        return Workspace(cached, cached, cached, (first,), "measured", measured=True)
+    model = engine_workspace(case)  # another PyTorch's table: the model's ends stay
+    low, high = min(model.low, cached), max(model.high, cached)
+    return Workspace(low, cached, high, (first,), "measured", measured=True)
 
 
 def _copy(a: Allocation, nbytes: int, alloc_index: int, free_index: int | None) -> Allocation:
@@ -383,6 +387,13 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
         )
     if measured is not None:
         notes.append(f"measured figures for {gpu.name} on {measured.stack_slug}: {measured.path}")
+        if not measured.exact:
+            notes.append(
+                f"no measured table for {options.software.slug} on {gpu.name}: the table of "
+                f"{measured.stack_slug} (same card and CUDA) gives the central floor and cuDNN "
+                "workspaces, the range keeps the model's readings; `python -m "
+                "benchmarks.gpu_harvest` on this stack makes its own"
+            )
     if options.gpu is None:
         notes.append(
             f"no --gpu given: reserved and device totals emulate an {gpu.name} ({gpu.arch}) runtime"

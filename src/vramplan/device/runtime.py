@@ -120,6 +120,11 @@ def outside_allocator(
         low, high = context_table["range_bytes"]
         context = min(context, low) if variant == "low" else max(context, high)
     floor = floor_terms(measured.floor, not eager) if measured is not None else {}
+    if measured is not None and not measured.exact and variant != "central":
+        # another PyTorch's table: its floor is the central reading, the model's the ends
+        pick = min if variant == "low" else max
+        modelled = {"cuda_context": context, "cublas_kernels": cublas, "cudnn_kernels": cudnn}
+        floor = {term: pick(value, modelled[term]) for term, value in floor.items()}
     return OutsideAllocator(
         cuda_context=floor.get("cuda_context", context),
         cublas_kernels=floor.get("cublas_kernels", cublas) if matmuls else 0,
