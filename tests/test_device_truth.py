@@ -368,3 +368,20 @@ def test_another_pytorch_on_the_same_card_and_cuda_takes_the_table_as_its_centra
     )
     assert near_low < own_low and near_high > own_high
     assert any("same card and CUDA" in note for note in near.notes)
+
+
+def test_the_h200_table_reproduces_its_fresh_process_rows():
+    """A committed GPU measurement as ground truth: ResNet-18 (batch 8, 64x64, SGD) run on
+    the H200 in a fresh process, re-estimated on the CPU for that card and stack."""
+    from pathlib import Path
+
+    from benchmarks.accuracy.gpu_table import estimate_row, measure_rows, table_identity
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks/results/gpu-nvidia-h200-2026-11-27"
+    gpu, stack = table_identity(folder)
+    assert (gpu, stack) == ("H200", "torch2.11-cu13.0")
+    row = next(r for r in measure_rows(folder / "rows") if r.name == "resnet18-sgd-fresh")
+    result = estimate_row(row, gpu, stack)
+    for figure in ("allocated", "reserved", "device_total"):
+        assert abs(result[f"error_{figure}"]) < 0.02, (figure, result)
+    assert result["inside_device_total"] and result["inside_reserved"]

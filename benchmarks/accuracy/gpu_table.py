@@ -6,7 +6,8 @@ beside what the GPU measured, with the device range's coverage::
     python -m benchmarks.accuracy.gpu_table DIR --only vgg16     # rows whose name has this
 
 Rows: the accuracy study's CSV (``accuracy/*.csv``, every workload ran in one process) and
-the fresh-process ``vramplan measure --json`` outputs (``rows/*.json``). The estimate runs
+the fresh-process ``vramplan measure --json`` outputs (``rows/*.json``), and CNN runs under
+``cudnn.benchmark = True`` (``rows/cudnn_benchmark_on.jsonl``). The estimate runs
 with ``--gpu`` the measured card, ``--stack`` its torch and CUDA (so the harvest's measured
 table applies) and ``--used-counter nvml-v2``: ``measure`` read NVML's per-process memory,
 which holds no driver reserve. Issue 13's bar for a committed table: median absolute error
@@ -41,6 +42,7 @@ class MeasuredRow:
     recipe: Recipe
     measured: dict[str, int]
     source: str
+    cudnn_benchmark: bool = False
 
 
 def _recipe_of_study(row: dict) -> Recipe:
@@ -94,9 +96,33 @@ def measure_rows(folder: Path) -> list[MeasuredRow]:
     return rows
 
 
+def benchmark_rows(path: Path) -> list[MeasuredRow]:
+    """The ``cudnn.benchmark = True`` runs (``rows/cudnn_benchmark_on.jsonl``: torchvision
+    CNNs at 224x224, fp32, Adam, named ``<model>-b<batch>-bench``). Their device total is
+    read after the search emptied the cache, not at the peak, so it is left out."""
+    rows = []
+    for line in path.read_text().splitlines() if path.exists() else ():
+        data = json.loads(line)
+        model, _, batch = data["name"].removesuffix("-bench").rpartition("-b")
+        recipe = Recipe(batch_size=int(batch), input_shape=(3, 224, 224), optimizer="adam")
+        measured = {f: int(data[f]) for f in ("allocated", "reserved")}
+        rows.append(
+            MeasuredRow(
+                data["name"], f"torchvision:{model}", recipe, measured, "benchmark on", True
+            )
+        )
+    return rows
+
+
 def estimate_row(row: MeasuredRow, gpu: str, stack: str) -> dict:
     """The row's errors and whether each measured figure lies in the estimate's range."""
-    session = vramplan.Session(row.model, gpu=gpu, stack=stack, used_counter="nvml-v2")
+    session = vramplan.Session(
+        row.model,
+        gpu=gpu,
+        stack=stack,
+        used_counter="nvml-v2",
+        cudnn_benchmark=row.cudnn_benchmark,
+    )
     peak = session.estimate(row.recipe).peak
     estimate = {
         "allocated": peak.allocated_bytes,
@@ -152,6 +178,7 @@ def main() -> None:
         row for path in sorted(options.folder.glob("accuracy/*.csv")) for row in study_rows(path)
     ]
     rows += measure_rows(options.folder / "rows")
+    rows += benchmark_rows(options.folder / "rows" / "cudnn_benchmark_on.jsonl")
     if options.only:
         rows = [row for row in rows if options.only in row.name]
     print(f"{options.folder.name}: {gpu}, stack {stack}, {len(rows)} rows\n")
