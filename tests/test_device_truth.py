@@ -385,3 +385,29 @@ def test_the_h200_table_reproduces_its_fresh_process_rows():
     for figure in ("allocated", "reserved", "device_total"):
         assert abs(result[f"error_{figure}"]) < 0.02, (figure, result)
     assert result["inside_device_total"] and result["inside_reserved"]
+
+
+def test_hopper_central_workspace_is_the_layout_transform_the_h200_measured():
+    """Every benchmark-off call the H200 harvest measured, against the Hopper reading: the
+    median call asks for its layout-transform copies (input + output + filter), and summed
+    over the calls the rule is nearer the measurement than the Winograd reading."""
+    import statistics
+
+    from vramplan.device.cudnn import ConvCase, engine_workspace, layout_transform
+    from vramplan.device.measured import measured_for
+
+    table = measured_for("H200", "torch2.11-cu13.0")
+    ratios, measured, hopper, winograd = [], 0, 0, 0
+    for key, (_, cached) in table.workspaces.items():
+        if key[-1]:  # benchmark on
+            continue
+        case = ConvCase(key[0], key[1], key[2], *key[3:9])
+        rule = layout_transform(case)
+        if rule:
+            ratios.append(cached / rule)
+        measured += cached
+        hopper += engine_workspace(case, family="Hopper").central
+        winograd += engine_workspace(case).central
+    assert len(ratios) > 500
+    assert 0.9 < statistics.median(ratios) < 1.1
+    assert abs(hopper - measured) < abs(winograd - measured) / 3

@@ -135,10 +135,54 @@ def _fft_bytes(case: ConvCase, element: int) -> int:
     return plane * (n * c + n * k + k * (c // case.groups))
 
 
-def engine_workspace(case: ConvCase, engines: dict | None = None) -> Workspace:
-    """The stated engine model (see the module docstring and ``runtime.json``)."""
+def engine_workspace(
+    case: ConvCase, engines: dict | None = None, family: str | None = None
+) -> Workspace:
+    """The stated engine model (see the module docstring and ``runtime.json``); on a card
+    of a ``layout_transform_families`` family the central reading is ``layout_transform``.
 
+    >>> case = ConvCase("forward", "float32", "contiguous", (32, 64, 56, 56),
+    ...                 (64, 64, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    >>> engine_workspace(case, family="Hopper").central == layout_transform(case)
+    True
+    """
     engines = engines or runtime_table()["cudnn_engines"]
+    modelled = _engine_model(case, engines)
+    if family not in engines["layout_transform_families"]:
+        return modelled
+    central = layout_transform(case)
+    return Workspace(
+        modelled.low,
+        central,
+        max(modelled.high, central),
+        tuple(sorted({*modelled.candidates, central})),
+        f"{family}: NCHW <-> NHWC copies for the tensor-core engines (central); " + modelled.rule,
+    )
+
+
+def layout_transform(case: ConvCase) -> int:
+    """The workspace of a tensor-core engine run on NCHW tensors: cuDNN transforms them to
+    NHWC (and the filter to KRSC) in its workspace, so input, output and filter are copied
+    once; grouped/depthwise convolutions and 1x1 stride-1 forward / backward-data run
+    layout-native GEMM-like kernels with none (``runtime.json`` cudnn_engines).
+
+    >>> case = ConvCase("forward", "float32", "contiguous", (2, 3, 8, 8),
+    ...                 (4, 3, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+    >>> layout_transform(case) == (2 * 3 * 64 + 2 * 4 * 64 + 4 * 3 * 9) * 4
+    True
+    """
+    element = _ELEMENT.get(case.dtype, 4)
+    unit = all(r == 1 for r in case.weight[2:]) and all(s == 1 for s in case.stride)
+    native = case.pass_ in ("forward", "backward_data")
+    if case.groups > 1 or (unit and native) or case.memory_format != "contiguous":
+        return 0
+    n, c = case.input[:2]
+    x = n * c * math.prod(case.input[2:])
+    y = n * case.weight[0] * math.prod(case.output_spatial)
+    return (x + y + math.prod(case.weight)) * element
+
+
+def _engine_model(case: ConvCase, engines: dict) -> Workspace:
     element = _ELEMENT.get(case.dtype, 4)
     n, c = case.input[:2]
     k = case.weight[0]

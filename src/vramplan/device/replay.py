@@ -50,18 +50,21 @@ class DeviceTrace:
 
 
 def conv_workspace(
-    case: ConvCase, benchmark: bool, measured: MeasuredTable | None = None
+    case: ConvCase,
+    benchmark: bool,
+    measured: MeasuredTable | None = None,
+    family: str | None = None,
 ) -> Workspace:
     """The workspace of one cuDNN call: the measured table's when it holds the
     configuration (the first call's size is the benchmark search's, the cached call's
     what every later call asks for), else the engine model's."""
     sizes = measured.workspace(case, benchmark) if measured is not None else None
     if sizes is None:
-        return engine_workspace(case)
+        return engine_workspace(case, family=family)
     first, cached = sizes
     if measured.exact:
         return Workspace(cached, cached, cached, (first,), "measured", measured=True)
-    model = engine_workspace(case)  # another PyTorch's table: the model's ends stay
+    model = engine_workspace(case, family=family)  # another PyTorch's table: its ends stay
     low, high = min(model.low, cached), max(model.high, cached)
     return Workspace(low, cached, high, (first,), "measured", measured=True)
 
@@ -147,7 +150,7 @@ def device_trace(
         iteration = trace.phase_at(marker.index).iteration
         for case in cases_of(marker):
             if case not in workspaces:
-                workspace = conv_workspace(case, cudnn_benchmark, measured)
+                workspace = conv_workspace(case, cudnn_benchmark, measured, gpu.family)
                 if cudnn_benchmark:  # the search: time candidates, then emptyCache()
                     allocations.append(
                         _workspace(
