@@ -222,3 +222,26 @@ def test_fragmentation_is_measured_over_the_whole_reserved_peak():
     result = replay(requests, AllocatorConfig())
     assert result.stats.peak_reserved == big + 2 * MB
     assert result.fragmentation == 2 * MB - small
+
+
+def test_cast_copies_stay_cached_until_the_cache_is_emptied():
+    """Weights built in bf16, cast to fp32 and back (``model.float()`` then
+    ``model.to(bfloat16)``), as TinyLlama's 22 MiB MLP matrices: each cast allocates the new
+    copy before the old is freed, and a freed block stays cached (only ``empty_cache`` or
+    the out-of-memory retry returns segments: ``release_cached_blocks``)."""
+    bf16, fp32, count = 22 * MB, 44 * MB, 3
+    sim = CachingAllocator(DEFAULT)
+    weights = [sim.malloc(bf16) for _ in range(count)]  # one 22 MiB segment each
+    copies = []
+    for block in weights:  # .float(): no cached block of 44 MiB, a new segment each
+        copies.append(sim.malloc(fp32))
+        sim.free(block, bf16)
+    weights = []
+    for block in copies:  # .to(bfloat16): best fit is a cached 22 MiB block
+        weights.append(sim.malloc(bf16))
+        sim.free(block, fp32)
+    assert sim.stats.allocated == count * bf16
+    assert sim.stats.reserved == count * (bf16 + fp32)  # the fp32 segments, cached
+    assert {b.segment.size for b in weights} == {bf16}
+    sim.empty_cache()
+    assert sim.stats.reserved == count * bf16

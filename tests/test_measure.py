@@ -117,3 +117,29 @@ def test_calibrated_profile_replaces_the_runtime_table(run_cli, gpt2_config, tmp
     assert after["peak"]["reserved_bytes"] == before["peak"]["reserved_bytes"]
     code, _, err = run_cli("estimate", f"hf:{config}", "--profile", str(tmp_path / "x"))
     assert code == 2 and "device profile not found" in err
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_cuda_measurement_starts_after_the_cast_copies_are_released(monkeypatch):
+    """Building on the card and casting (bf16 -> fp32 -> bf16 for a Hub config) leaves the
+    earlier copies cached: the harness empties the cache before it resets the peaks, so
+    ``max_memory_reserved`` starts from the weights (the TinyLlama row held 3292 MiB of
+    them; test_allocator's cast sequence shows the arithmetic)."""
+    import torch
+
+    from vramplan.measurement import run
+
+    calls = []
+    for name in ("init", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *_, name=name: calls.append(name))
+
+    def stop(*_args):
+        raise _Stop
+
+    monkeypatch.setattr(run, "_run", stop)
+    with pytest.raises(_Stop):
+        run._measure_cuda(None, None, 1, None)
+    assert calls == ["init", "empty_cache", "reset_peak_memory_stats"]

@@ -262,6 +262,11 @@ def _measure_cuda(
     built: BuiltModel, recipe: Recipe, steps: int, snapshot: str | None
 ) -> Measurement:
     torch.cuda.init()
+    # Building on the device and casting (a config's bf16 → fp32 → the recipe's dtype)
+    # leaves each earlier copy of the weights cached; a script that loads its weights in
+    # the run's dtype never holds them. Release them so the peaks start from the weights.
+    gc.collect()
+    torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     if snapshot:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
