@@ -245,3 +245,26 @@ def test_cast_copies_stay_cached_until_the_cache_is_emptied():
     assert {b.segment.size for b in weights} == {bf16}
     sim.empty_cache()
     assert sim.stats.reserved == count * bf16
+
+
+def test_a_late_cublas_workspace_pins_a_cached_workspace_segment():
+    """cuBLAS allocates its workspace at the first matmul (``getNewWorkspace``) and keeps
+    it. VGG's first matmul comes after its convolutions: the 32 MiB then lands in the free
+    tail of a cached cuDNN workspace segment (best fit, split since the rest exceeds
+    1 MiB), and the next workspace of that size needs a segment of its own."""
+    ws, act, cublas = 100 * MB, 60 * MB, 32 * MB
+
+    def reserved(cublas_first: bool) -> int:
+        sim = CachingAllocator(DEFAULT)
+        if cublas_first:  # created at the start of forward: a segment of its own
+            sim.malloc(cublas)
+        sim.free(sim.malloc(ws), ws)  # a forward convolution's workspace, cached
+        activation = sim.malloc(act)  # carved from the cached 100 MiB segment
+        if not cublas_first:  # the first matmul, later: the 40 MiB tail is the best fit
+            assert sim.malloc(cublas).segment is activation.segment
+        sim.free(activation, act)
+        sim.free(sim.malloc(ws), ws)  # backward's workspace of the same size
+        return sim.stats.peak_reserved
+
+    assert reserved(cublas_first=True) == cublas + ws
+    assert reserved(cublas_first=False) == ws + ws  # 60 + 8 MiB free around the 32 MiB
