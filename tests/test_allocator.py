@@ -248,10 +248,13 @@ def test_cast_copies_stay_cached_until_the_cache_is_emptied():
 
 
 def test_a_late_cublas_workspace_pins_a_cached_workspace_segment():
-    """cuBLAS allocates its workspace at the first matmul (``getNewWorkspace``) and keeps
-    it. VGG's first matmul comes after its convolutions: the 32 MiB then lands in the free
-    tail of a cached cuDNN workspace segment (best fit, split since the rest exceeds
-    1 MiB), and the next workspace of that size needs a segment of its own."""
+    """A block kept from late in a step pins the cached segment it lands in. cuBLAS
+    allocates its workspace at the first matmul (``getNewWorkspace``) and keeps it; VGG's
+    first matmul follows its convolutions, so the 32 MiB takes the free tail of a cached
+    cuDNN workspace segment (best fit, split since the rest exceeds 1 MiB). In VGG16 at
+    batch 128 that displaces the weight gradients (kept until ``zero_grad``) into the tail
+    of the 3136 MiB workspace segment, and backward's 3136 MiB workspace needs a new one.
+    Here the workspace itself pins the segment: the next workspace of its size cannot fit."""
     ws, act, cublas = 100 * MB, 60 * MB, 32 * MB
 
     def reserved(cublas_first: bool) -> int:
