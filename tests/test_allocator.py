@@ -222,3 +222,52 @@ def test_fragmentation_is_measured_over_the_whole_reserved_peak():
     result = replay(requests, AllocatorConfig())
     assert result.stats.peak_reserved == big + 2 * MB
     assert result.fragmentation == 2 * MB - small
+
+
+def test_cast_copies_stay_cached_until_the_cache_is_emptied():
+    """Weights built in bf16, cast to fp32 and back (``model.float()`` then
+    ``model.to(bfloat16)``), as TinyLlama's 22 MiB MLP matrices: each cast allocates the new
+    copy before the old is freed, and a freed block stays cached (only ``empty_cache`` or
+    the out-of-memory retry returns segments: ``release_cached_blocks``)."""
+    bf16, fp32, count = 22 * MB, 44 * MB, 3
+    sim = CachingAllocator(DEFAULT)
+    weights = [sim.malloc(bf16) for _ in range(count)]  # one 22 MiB segment each
+    copies = []
+    for block in weights:  # .float(): no cached block of 44 MiB, a new segment each
+        copies.append(sim.malloc(fp32))
+        sim.free(block, bf16)
+    weights = []
+    for block in copies:  # .to(bfloat16): best fit is a cached 22 MiB block
+        weights.append(sim.malloc(bf16))
+        sim.free(block, fp32)
+    assert sim.stats.allocated == count * bf16
+    assert sim.stats.reserved == count * (bf16 + fp32)  # the fp32 segments, cached
+    assert {b.segment.size for b in weights} == {bf16}
+    sim.empty_cache()
+    assert sim.stats.reserved == count * bf16
+
+
+def test_a_late_cublas_workspace_pins_a_cached_workspace_segment():
+    """A block kept from late in a step pins the cached segment it lands in. cuBLAS
+    allocates its workspace at the first matmul (``getNewWorkspace``) and keeps it; VGG's
+    first matmul follows its convolutions, so the 32 MiB takes the free tail of a cached
+    cuDNN workspace segment (best fit, split since the rest exceeds 1 MiB). In VGG16 at
+    batch 128 that displaces the weight gradients (kept until ``zero_grad``) into the tail
+    of the 3136 MiB workspace segment, and backward's 3136 MiB workspace needs a new one.
+    Here the workspace itself pins the segment: the next workspace of its size cannot fit."""
+    ws, act, cublas = 100 * MB, 60 * MB, 32 * MB
+
+    def reserved(cublas_first: bool) -> int:
+        sim = CachingAllocator(DEFAULT)
+        if cublas_first:  # created at the start of forward: a segment of its own
+            sim.malloc(cublas)
+        sim.free(sim.malloc(ws), ws)  # a forward convolution's workspace, cached
+        activation = sim.malloc(act)  # carved from the cached 100 MiB segment
+        if not cublas_first:  # the first matmul, later: the 40 MiB tail is the best fit
+            assert sim.malloc(cublas).segment is activation.segment
+        sim.free(activation, act)
+        sim.free(sim.malloc(ws), ws)  # backward's workspace of the same size
+        return sim.stats.peak_reserved
+
+    assert reserved(cublas_first=True) == cublas + ws
+    assert reserved(cublas_first=False) == ws + ws  # 60 + 8 MiB free around the 32 MiB

@@ -231,3 +231,35 @@ def test_both_cublas_workspaces_reach_the_allocator_in_each_phase():
     for phase in ("forward", "backward"):
         assert ("cublas_workspace", cublas_workspace_bytes(gpu), phase) in seen
         assert ("cublaslt_workspace", cublaslt_workspace_bytes(gpu), phase) in seen
+
+
+def test_cublas_workspaces_follow_the_first_matmul_output():
+    """The workspaces are created by the first cuBLAS call of the phase, after its output
+    (``getCurrentCUDABlasHandle`` in the op's kernel), not where the phase begins: ops
+    before it (a ReLU here) allocate first."""
+    import torch
+    from torch import nn
+
+    from vramplan.device.replay import device_trace
+    from vramplan.ops import Library, library_of
+    from vramplan.recipe import Recipe
+    from vramplan.sources.user_code import module_source
+    from vramplan.trace.policy import CudaPolicy
+    from vramplan.trace.step import trace_training
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    recipe = Recipe(batch_size=4, input_shape=(64,), optimizer="sgd")
+    trace = trace_training(module_source(model, recipe, "mlp"), recipe, CudaPolicy())
+    on_device = device_trace(trace, lookup_gpu("h100"), cudnn_benchmark=False)
+    forward = [
+        e.allocation
+        for e in on_device.trace.events()
+        if e.is_alloc and e.allocation.phase == "forward" and e.allocation.iteration == 1
+    ]
+    ops = [a.op for a in forward]
+    at = ops.index("cublas_workspace")
+    assert ops[at + 1] == "cublaslt_workspace"
+    assert library_of(ops[at - 1]) is Library.MATMUL  # the first matmul's output
+    assert not any(library_of(op) is Library.MATMUL for op in ops[: at - 1])
+    assert "relu" in ops[: at - 1]  # the ReLU before it allocated first

@@ -143,3 +143,31 @@ def test_device_totals_are_compared_in_the_estimates_counter(models):
     unknown = NvmlUsed(process, "nvml-v2")  # a driver that does not report its reserve
     assert unknown.in_counter("nvml-v1") is None and unknown.in_counter("nvml-v2") == process
     assert NvmlUsed(process + reserve, "nvml-v1", reserve).in_counter("nvml-v2") == process
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_cuda_measurement_starts_after_the_cast_copies_are_released(monkeypatch):
+    """Building on the card and casting (bf16 -> fp32 -> bf16 for a Hub config) leaves the
+    earlier copies cached: the harness empties the cache before it resets the peaks, so
+    ``max_memory_reserved`` starts from the weights (the TinyLlama row held 3292 MiB of
+    them; test_allocator's cast sequence shows the arithmetic)."""
+    import torch
+
+    from vramplan.measurement import run
+
+    calls = []
+    for name in ("init", "empty_cache", "reset_peak_memory_stats"):
+        monkeypatch.setattr(torch.cuda, name, lambda *_, name=name: calls.append(name))
+    clear = "_cuda_clearCublasWorkspaces"
+    monkeypatch.setattr(torch._C, clear, lambda: calls.append(clear), raising=False)
+
+    def stop(*_args):
+        raise _Stop
+
+    monkeypatch.setattr(run, "_run", stop)
+    with pytest.raises(_Stop):
+        run._measure_cuda(None, None, 1, None)
+    assert calls == ["init", clear, "empty_cache", "reset_peak_memory_stats"]

@@ -24,11 +24,13 @@ from vramplan.device.runtime import (
 )
 from vramplan.device.stack import default_stack, older_than_traced
 from vramplan.device.verdict import judge
+from vramplan.ops import Library, library_of
 from vramplan.result import Component, Estimate, Phase
 from vramplan.trace.events import Allocation, PhaseMark, Trace
 from vramplan.trace.summary import summarize_trace
 
 SPREAD = 16  # trace indices are spread out so workspaces can be slotted between events
+# (after an event: cuDNN's from +1, cuBLAS's at +12 and +13; before one: at -2 and -1)
 VARIANTS = ("central", "low", "high")
 WORKSPACE = "cudnn_workspace"
 FIND = "cudnn_benchmark_find"
@@ -90,6 +92,27 @@ def _first_index(trace: Trace, phase: Phase) -> int | None:
     return None if mark is None else mark.index
 
 
+def first_matmul_output(trace: Trace, phase: Phase, iteration: int) -> int | None:
+    """The trace index of the first allocation a cuBLAS op makes in ``phase`` of
+    ``iteration`` (None when none allocates). The handle's workspaces are created there,
+    after the op's output: ``getCurrentCUDABlasHandle`` allocates a (handle, stream)'s
+    workspace on its first call (``getNewWorkspace``, CublasHandlePool.cpp), and the
+    cuBLASLt handle is the cuBLAS one (``getCurrentCUDABlasLtHandle``); an op such as
+    ``addmm`` reaches them from its kernel, after its output is allocated. A first
+    matmul late in the phase (VGG's classifier after the convolutions) so puts the
+    workspaces in whatever cached block fits there, where they stay.
+
+    >>> first_matmul_output(Trace((), (), 0), Phase.FORWARD, 1) is None
+    True
+    """
+    indices = [
+        a.alloc_index
+        for a in trace.allocations
+        if a.phase == phase and a.iteration == iteration and library_of(a.op) is Library.MATMUL
+    ]
+    return min(indices, default=None)
+
+
 def _workspace(
     id_: int, nbytes: int, index: int, phase: Phase, iteration: int, op: str, free_index: int | None
 ) -> Allocation:
@@ -134,9 +157,11 @@ def device_trace(
         if start is None or not uses_matmul(trace, phase):
             continue
         iteration = trace.phase_at(start).iteration
+        first = first_matmul_output(trace, phase, iteration)
+        at = start * SPREAD - 2 if first is None else first * SPREAD + SPREAD - 4
         for slot, op, nbytes in (  # each its own slot: one index holds one event
-            (start * SPREAD - 2, "cublas_workspace", cublas_workspace_bytes(gpu)),
-            (start * SPREAD - 1, "cublaslt_workspace", cublaslt_workspace_bytes(gpu)),
+            (at, "cublas_workspace", cublas_workspace_bytes(gpu)),
+            (at + 1, "cublaslt_workspace", cublaslt_workspace_bytes(gpu)),
         ):
             if nbytes:
                 allocations.append(_workspace(next_id, nbytes, slot, phase, iteration, op, None))
