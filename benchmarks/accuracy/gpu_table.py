@@ -195,7 +195,10 @@ def main() -> None:
         cells = [f"{result[f'error_{f}']:+.1%}" if f"error_{f}" in result else "-" for f in FIGURES]
         inside = result.get("inside_device_total")
         print(f"| {row.name} | {row.source} | {' | '.join(cells)} | {inside} |", flush=True)
-    print()
+    for source in sorted({r["source"] for r in results}):
+        print(f"\n{source}:\n")
+        print("\n".join(summary([r for r in results if r["source"] == source])))
+    print("\nall rows:\n")
     print("\n".join(summary(results)))
 
 
