@@ -28,7 +28,7 @@ import json
 import re
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -228,20 +228,27 @@ class _Region:
     end: int = 0
     """The periods around the run stand for the first and the last block in ``[start,
     end)``: they stop where the next iteration's storages begin."""
-
-    def window(self, pos: int) -> tuple[str, int] | None:
-        """Which window holds ``pos``: the run itself ('x'), the period before ('-') or
-        after ('+'), and the offset in it."""
-        for name, lo in (("-", self.q - self.d), ("x", self.q), ("+", self.q + self.d)):
-            if lo <= pos < lo + self.d:
-                return name, pos - lo
-        return None
+    low: int = 0
+    high: int = 0
+    """Where the run may sit: cutting ``[q, q + d)`` out of the 3-block trace leaves the
+    2-block one for every ``q`` in ``[low, high]``."""
+    edges: dict[str, dict[int, int]] = field(default_factory=dict)
+    """The first ('-') and last ('+') blocks' events matched to the run's: position →
+    offset in the run, and back (``_settle``)."""
+    places: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def short_block(self, window: str) -> int:
         """The window's block number in the 3-block trace (0, 1 or 2)."""
         if window == "x":
             return 1
         return 0 if (window == "-") == (self.sign > 0) else 2
+
+    def at(self, window: str, offset: int) -> int:
+        """The position of the event of the run's ``offset`` in the ``window`` block."""
+        found = self.places[window].get(offset)
+        if found is None:
+            raise NotRepeatable("an event of a middle block has no counterpart in the first")
+        return found
 
 
 def _regions(tok2: list[tuple], tok3: list[tuple], slots3, side: int = 0) -> list[_Region]:
@@ -274,15 +281,74 @@ def _regions(tok2: list[tuple], tok3: list[tuple], slots3, side: int = 0) -> lis
         high = q
         while high + 2 * d < len(tok3) and tok3[high] == tok3[high + d]:
             high += 1
-        region.q = (low + high) // 2
+        region.q, region.low, region.high = (low + high) // 2, low, high
         if side and low + d <= high - d:
             region.q = high - d if side > 0 else low + d
             spans.append((region, low + d, high - d))
     if spans:
         _follow_births(spans, regions, tok3, slots3)
     for region in regions:
-        region.start, region.end = _same_iteration(tok3, region)
+        _settle(region, tok3)
+    _place(regions, tok3, slots3)
     return regions
+
+
+def _settle(region: _Region, tok3: list[tuple]) -> None:
+    """The first and last blocks of ``region`` where it sits: each the stretch next to the
+    run (a quarter of a period longer, within the run's iteration) matched to the run
+    event for event. They may lack a middle block's events at their boundaries (FSDP2's
+    first block in backward frees no earlier block's reduce-scatter input, its last one
+    prefetches no next block's all-gather), so the match is a diff, not an offset."""
+    q, d = region.q, region.d
+    region.start, region.end = _same_iteration(tok3, region)
+    run = tok3[q : q + d]
+    region.edges, region.places = {}, {}
+    for window, lo, hi in (("-", region.start, q), ("+", q + d, region.end)):
+        matcher = difflib.SequenceMatcher(None, tok3[lo:hi], run, autojunk=False)
+        edges = {
+            lo + i + k: j + k for i, j, n in matcher.get_matching_blocks() for k in range(n)
+        }
+        region.edges[window] = edges
+        region.places[window] = {off: pos for pos, off in edges.items()}
+
+
+def _place(regions: list[_Region], tok3: list[tuple], slots3) -> None:
+    """Move runs that storages cross from outside their blocks (born before the first
+    block and freed in the run, or born in the run and freed after the last one) to where
+    the fewest do, nearest the middle: FSDP2 all-gathers a block's parameters in its
+    pre-forward hook and frees them in the next block's, so the run must start at a
+    block's all-gather, not anywhere in the stretch where the tokens repeat."""
+    if not _crossing(regions, slots3, len(tok3)):
+        return
+    for region in regions:
+        middle, best = region.q, None
+        for q in range(region.low, region.high + 1):
+            region.q = q
+            _settle(region, tok3)
+            score = (_crossing(regions, slots3, len(tok3)), abs(q - middle))
+            if best is None or score < best[0]:
+                best = (score, q)
+        region.q = best[1]
+        _settle(region, tok3)
+
+
+def _crossing(regions: list[_Region], slots3, size: int) -> int:
+    """How many storages cross a run from outside the blocks (``size`` where the runs
+    overlap)."""
+    try:
+        labels = _label(regions, size)
+    except NotRepeatable:
+        return size
+    crossing = 0
+    for s in slots3:
+        if s is None or not s[1] or s[0].free_index is None:
+            continue
+        la, lf = labels[s[0].alloc_index], labels[s[0].free_index]
+        if la is None and lf is not None and lf[1] == "x":
+            crossing += 1
+        elif lf is None and la is not None and la[1] == "x":
+            crossing += 1
+    return crossing
 
 
 def _insertions(tok2: list[tuple], tok3: list[tuple]) -> list[tuple[int, int]]:
@@ -384,11 +450,12 @@ def _same_iteration(tok3: list[tuple], region: _Region) -> tuple[int, int]:
         t = tok3[pos]
         return bool(t) and t[0] and t[4] not in iterations
 
+    slack = d // 4
     start = q
-    while start > max(q - d, 0) and not foreign(start - 1):
+    while start > max(q - d - slack, 0) and not foreign(start - 1):
         start -= 1
     end = q + d
-    while end < min(q + 2 * d, len(tok3)) and not foreign(end):
+    while end < min(q + 2 * d + slack, len(tok3)) and not foreign(end):
         end += 1
     return start, end
 
@@ -403,17 +470,14 @@ def _label(regions: list[_Region], size: int) -> list[tuple[int, str, int] | Non
     order = sorted(range(len(regions)), key=lambda j: -regions[j].d)
     for j in order:
         region = regions[j]
-        before = range(region.q - region.d, region.q)
-        after = range(region.q + region.d, region.q + 2 * region.d)
-        for pos in (*before, *after):
-            if not region.start <= pos < region.end:
-                continue
-            if owner_length[pos] == region.d and labels[pos] is not None:
-                labels[pos] = None  # contested: stays nobody's
-                continue
-            if owner_length[pos] != region.d:
-                labels[pos] = (j, *region.window(pos))
-                owner_length[pos] = region.d
+        for window, edges in region.edges.items():
+            for pos, offset in edges.items():
+                if owner_length[pos] == region.d and labels[pos] is not None:
+                    labels[pos] = None  # contested: stays nobody's
+                    continue
+                if owner_length[pos] != region.d:
+                    labels[pos] = (j, window, offset)
+                    owner_length[pos] = region.d
     for j, region in enumerate(regions):
         for pos in range(region.q, region.q + region.d):
             if labels[pos] is not None and labels[pos][1] == "x":
@@ -538,9 +602,9 @@ def _rebuild(t3, slots3, tok3, labels, regions, names, full, renamer) -> Trace: 
             raise NotRepeatable("a storage outlives the blocks around it")
         first, last = (0, full - 1) if region.sign > 0 else (full - 1, 0)
         if block == first:
-            return position(region.q - region.d + off)
+            return position(region.at("-", off))
         if block == last:
-            return position(region.q + region.d + off)
+            return position(region.at("+", off))
         copy_ = block - 1 if region.sign > 0 else full - 2 - block
         return starts[id(region)] + copy_ * region.d + off
 
