@@ -305,9 +305,7 @@ def _settle(region: _Region, tok3: list[tuple]) -> None:
     region.edges, region.places = {}, {}
     for window, lo, hi in (("-", region.start, q), ("+", q + d, region.end)):
         matcher = difflib.SequenceMatcher(None, tok3[lo:hi], run, autojunk=False)
-        edges = {
-            lo + i + k: j + k for i, j, n in matcher.get_matching_blocks() for k in range(n)
-        }
+        edges = {lo + i + k: j + k for i, j, n in matcher.get_matching_blocks() for k in range(n)}
         region.edges[window] = edges
         region.places[window] = {off: pos for pos, off in edges.items()}
 
@@ -343,11 +341,8 @@ def _crossing(regions: list[_Region], slots3, size: int) -> int:
     for s in slots3:
         if s is None or not s[1] or s[0].free_index is None:
             continue
-        la, lf = labels[s[0].alloc_index], labels[s[0].free_index]
-        if la is None and lf is not None and lf[1] == "x":
-            crossing += 1
-        elif lf is None and la is not None and la[1] == "x":
-            crossing += 1
+        ends = (labels[s[0].alloc_index], labels[s[0].free_index])
+        crossing += None in ends and any(end is not None and end[1] == "x" for end in ends)
     return crossing
 
 
