@@ -311,38 +311,43 @@ def _settle(region: _Region, tok3: list[tuple]) -> None:
 
 
 def _place(regions: list[_Region], tok3: list[tuple], slots3) -> None:
-    """Move runs that storages cross from outside their blocks (born before the first
-    block and freed in the run, or born in the run and freed after the last one) to where
-    the fewest do, nearest the middle: FSDP2 all-gathers a block's parameters in its
-    pre-forward hook and frees them in the next block's, so the run must start at a
-    block's all-gather, not anywhere in the stretch where the tokens repeat."""
-    if not _crossing(regions, slots3, len(tok3)):
-        return
-    for region in regions:
-        middle, best = region.q, None
-        for q in range(region.low, region.high + 1):
-            region.q = q
-            _settle(region, tok3)
-            score = (_crossing(regions, slots3, len(tok3)), abs(q - middle))
-            if best is None or score < best[0]:
-                best = (score, q)
-        region.q = best[1]
+    """Move each run that storages cross from outside its blocks (born before the first
+    block and freed in the run, or born in the run and freed after the last one) so that
+    their births fall in the block before or after it, where that leaves fewer crossing:
+    FSDP2 gathers a block's parameters in its pre-forward hook and frees the gathered
+    buffer in the next block's, so the run must start at a block's all-gather, not
+    anywhere in the stretch where the tokens repeat."""
+    crossing = _crossing(regions, slots3, len(tok3))
+    for j, region in enumerate(regions):
+        middle = region.q
+        wanted = {pos + region.d * (1 if inward else -1) for k, pos, inward in crossing if k == j}
+        best = (len(crossing), 0, middle)
+        for q in sorted(wanted):
+            if region.low <= q <= region.high:
+                region.q = q
+                _settle(region, tok3)
+                best = min(best, (len(_crossing(regions, slots3, len(tok3))), abs(q - middle), q))
+        region.q = best[2]
         _settle(region, tok3)
+        crossing = _crossing(regions, slots3, len(tok3))
 
 
-def _crossing(regions: list[_Region], slots3, size: int) -> int:
-    """How many storages cross a run from outside the blocks (``size`` where the runs
-    overlap)."""
+def _crossing(regions: list[_Region], slots3, size: int) -> list[tuple[int, int, bool]]:
+    """The storages that cross a run from outside the blocks: (the run, the birth, whether
+    it is born outside); one for each event where the runs overlap."""
     try:
         labels = _label(regions, size)
     except NotRepeatable:
-        return size
-    crossing = 0
+        return [(-1, pos, True) for pos in range(size)]
+    crossing = []
     for s in slots3:
         if s is None or not s[1] or s[0].free_index is None:
             continue
-        ends = (labels[s[0].alloc_index], labels[s[0].free_index])
-        crossing += None in ends and any(end is not None and end[1] == "x" for end in ends)
+        born, died = labels[s[0].alloc_index], labels[s[0].free_index]
+        if born is None and died is not None and died[1] == "x":
+            crossing.append((died[0], s[0].alloc_index, True))
+        elif died is None and born is not None and born[1] == "x":
+            crossing.append((born[0], s[0].alloc_index, False))
     return crossing
 
 
