@@ -9,7 +9,9 @@ runs are the pattern of a middle block. The full trace repeats each run ``L - 2`
 and every storage a middle block allocates is freed where the same storage of the traced
 middle block was freed, shifted by the same number of blocks (activations of block ``i``
 die in the backward of block ``i``, a block's output in the next block, its gradients in
-``zero_grad``).
+``zero_grad``; under FSDP2 a block's gathered parameters in the next block's pre-forward).
+The first and last blocks are matched to the middle one event for event by a diff: they
+may lack some of its events (FSDP2's last block prefetches no next block's parameters).
 
 It is exact or it is not used: the rebuilt stream must account for every event exactly
 once, and the same rules must rebuild the 2-block trace event for event; otherwise
@@ -247,7 +249,7 @@ class _Region:
         """The position of the event of the run's ``offset`` in the ``window`` block."""
         found = self.places[window].get(offset)
         if found is None:
-            raise NotRepeatable("an event of a middle block has no counterpart in the first")
+            raise NotRepeatable(f"a middle block's event {offset} is not in the {window} block")
         return found
 
 
@@ -296,9 +298,9 @@ def _regions(tok2: list[tuple], tok3: list[tuple], slots3, side: int = 0) -> lis
 def _settle(region: _Region, tok3: list[tuple]) -> None:
     """The first and last blocks of ``region`` where it sits: each the stretch next to the
     run (a quarter of a period longer, within the run's iteration) matched to the run
-    event for event. They may lack a middle block's events at their boundaries (FSDP2's
-    first block in backward frees no earlier block's reduce-scatter input, its last one
-    prefetches no next block's all-gather), so the match is a diff, not an offset."""
+    event for event. They may lack some of a middle block's events (in FSDP2's backward
+    the first block frees no earlier block's reduce-scatter input, the last one prefetches
+    no next block's all-gather), so the match is a diff, not an offset."""
     q, d = region.q, region.d
     region.start, region.end = _same_iteration(tok3, region)
     run = tok3[q : q + d]
@@ -441,8 +443,9 @@ def _straddle(tok3: list[tuple], j1: int, j2: int) -> int | None:
 
 
 def _same_iteration(tok3: list[tuple], region: _Region) -> tuple[int, int]:
-    """How far the periods around ``region``'s run reach before a storage of another
-    iteration is born (the run's last block is not followed by the next iteration's)."""
+    """How far the periods around ``region``'s run (a quarter of a period more than one
+    period each way) reach before a storage of another iteration is born (the run's last
+    block is not followed by the next iteration's)."""
     q, d = region.q, region.d
     iterations = {t[4] for t in tok3[q : q + d] if t and t[0]}
 
