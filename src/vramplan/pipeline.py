@@ -129,17 +129,19 @@ def flop_counting_policy(device: DeviceOptions) -> DevicePolicy:
 
 def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None) -> Trace:
     """The trace of ``built``: its repeated blocks traced once and repeated where that is
-    exact (not under a distributed ``engine``, not with ``built.repeat_blocks`` off), else
-    every block traced. Generation (``--mode generate``) is traced whole: one prefill and
+    exact (also as one rank of a distributed ``engine``; not with ``built.repeat_blocks``
+    off), else every block traced. Generation (``--mode generate``) is traced whole: one prefill and
     one decode step."""
     if recipe.mode == "generate":
         if engine is not None:
             raise UserError("--mode generate is traced on one GPU (no --fsdp)")
         return trace_generation(built, recipe, policy)
-    if engine is None and built.repeat_blocks:
+    if built.repeat_blocks:
         rules = ("arch", "foreach", "frees_grads", "saves_every_operand", "softmax_keeps_input")
-        kind = (type(policy), policy.name, *(vars(policy).get(rule) for rule in rules))
-        trace, note = repeat_built(built, recipe, lambda b, r: _trace_counted(b, r, policy), kind)
+        kind = (type(policy), policy.name, *(vars(policy).get(rule) for rule in rules), engine)
+        trace, note = repeat_built(
+            built, recipe, lambda b, r: _trace_counted(b, r, policy, engine), kind
+        )
         if trace is not None:
             return replace(trace, notes=(*trace.notes, note))
     else:

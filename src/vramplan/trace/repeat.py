@@ -9,7 +9,9 @@ runs are the pattern of a middle block. The full trace repeats each run ``L - 2`
 and every storage a middle block allocates is freed where the same storage of the traced
 middle block was freed, shifted by the same number of blocks (activations of block ``i``
 die in the backward of block ``i``, a block's output in the next block, its gradients in
-``zero_grad``).
+``zero_grad``; under FSDP2 a block's gathered parameters in the next block's pre-forward).
+The first and last blocks are matched to the middle one event for event by a diff: they
+may lack some of its events (FSDP2's last block prefetches no next block's parameters).
 
 It is exact or it is not used: the rebuilt stream must account for every event exactly
 once, and the same rules must rebuild the 2-block trace event for event; otherwise
@@ -28,7 +30,7 @@ import json
 import re
 from collections import OrderedDict, defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 from torch import nn
 
@@ -228,20 +230,27 @@ class _Region:
     end: int = 0
     """The periods around the run stand for the first and the last block in ``[start,
     end)``: they stop where the next iteration's storages begin."""
-
-    def window(self, pos: int) -> tuple[str, int] | None:
-        """Which window holds ``pos``: the run itself ('x'), the period before ('-') or
-        after ('+'), and the offset in it."""
-        for name, lo in (("-", self.q - self.d), ("x", self.q), ("+", self.q + self.d)):
-            if lo <= pos < lo + self.d:
-                return name, pos - lo
-        return None
+    low: int = 0
+    high: int = 0
+    """Where the run may sit: cutting ``[q, q + d)`` out of the 3-block trace leaves the
+    2-block one for every ``q`` in ``[low, high]``."""
+    edges: dict[str, dict[int, int]] = field(default_factory=dict)
+    """The first ('-') and last ('+') blocks' events matched to the run's: position →
+    offset in the run, and back (``_settle``)."""
+    places: dict[str, dict[int, int]] = field(default_factory=dict)
 
     def short_block(self, window: str) -> int:
         """The window's block number in the 3-block trace (0, 1 or 2)."""
         if window == "x":
             return 1
         return 0 if (window == "-") == (self.sign > 0) else 2
+
+    def at(self, window: str, offset: int) -> int:
+        """The position of the event of the run's ``offset`` in the ``window`` block."""
+        found = self.places[window].get(offset)
+        if found is None:
+            raise NotRepeatable(f"a middle block's event {offset} is not in the {window} block")
+        return found
 
 
 def _regions(tok2: list[tuple], tok3: list[tuple], slots3, side: int = 0) -> list[_Region]:
@@ -274,15 +283,74 @@ def _regions(tok2: list[tuple], tok3: list[tuple], slots3, side: int = 0) -> lis
         high = q
         while high + 2 * d < len(tok3) and tok3[high] == tok3[high + d]:
             high += 1
-        region.q = (low + high) // 2
+        region.q, region.low, region.high = (low + high) // 2, low, high
         if side and low + d <= high - d:
             region.q = high - d if side > 0 else low + d
             spans.append((region, low + d, high - d))
     if spans:
         _follow_births(spans, regions, tok3, slots3)
     for region in regions:
-        region.start, region.end = _same_iteration(tok3, region)
+        _settle(region, tok3)
+    _place(regions, tok3, slots3)
     return regions
+
+
+def _settle(region: _Region, tok3: list[tuple]) -> None:
+    """The first and last blocks of ``region`` where it sits: each the stretch next to the
+    run (a quarter of a period longer, within the run's iteration) matched to the run
+    event for event. They may lack some of a middle block's events (in FSDP2's backward
+    the first block frees no earlier block's reduce-scatter input, the last one prefetches
+    no next block's all-gather), so the match is a diff, not an offset."""
+    q, d = region.q, region.d
+    region.start, region.end = _same_iteration(tok3, region)
+    run = tok3[q : q + d]
+    region.edges, region.places = {}, {}
+    for window, lo, hi in (("-", region.start, q), ("+", q + d, region.end)):
+        matcher = difflib.SequenceMatcher(None, tok3[lo:hi], run, autojunk=False)
+        edges = {lo + i + k: j + k for i, j, n in matcher.get_matching_blocks() for k in range(n)}
+        region.edges[window] = edges
+        region.places[window] = {off: pos for pos, off in edges.items()}
+
+
+def _place(regions: list[_Region], tok3: list[tuple], slots3) -> None:
+    """Move each run that storages cross from outside its blocks (born before the first
+    block and freed in the run, or born in the run and freed after the last one) so that
+    their births fall in the block before or after it, where that leaves fewer crossing:
+    FSDP2 gathers a block's parameters in its pre-forward hook and frees the gathered
+    buffer in the next block's, so the run must start at a block's all-gather, not
+    anywhere in the stretch where the tokens repeat."""
+    crossing = _crossing(regions, slots3, len(tok3))
+    for j, region in enumerate(regions):
+        middle = region.q
+        wanted = {pos + region.d * (1 if inward else -1) for k, pos, inward in crossing if k == j}
+        best = (len(crossing), 0, middle)
+        for q in sorted(wanted):
+            if region.low <= q <= region.high:
+                region.q = q
+                _settle(region, tok3)
+                best = min(best, (len(_crossing(regions, slots3, len(tok3))), abs(q - middle), q))
+        region.q = best[2]
+        _settle(region, tok3)
+        crossing = _crossing(regions, slots3, len(tok3))
+
+
+def _crossing(regions: list[_Region], slots3, size: int) -> list[tuple[int, int, bool]]:
+    """The storages that cross a run from outside the blocks: (the run, the birth, whether
+    it is born outside); one for each event where the runs overlap."""
+    try:
+        labels = _label(regions, size)
+    except NotRepeatable:
+        return [(-1, pos, True) for pos in range(size)]
+    crossing = []
+    for s in slots3:
+        if s is None or not s[1] or s[0].free_index is None:
+            continue
+        born, died = labels[s[0].alloc_index], labels[s[0].free_index]
+        if born is None and died is not None and died[1] == "x":
+            crossing.append((died[0], s[0].alloc_index, True))
+        elif died is None and born is not None and born[1] == "x":
+            crossing.append((born[0], s[0].alloc_index, False))
+    return crossing
 
 
 def _insertions(tok2: list[tuple], tok3: list[tuple]) -> list[tuple[int, int]]:
@@ -375,8 +443,9 @@ def _straddle(tok3: list[tuple], j1: int, j2: int) -> int | None:
 
 
 def _same_iteration(tok3: list[tuple], region: _Region) -> tuple[int, int]:
-    """How far the periods around ``region``'s run reach before a storage of another
-    iteration is born (the run's last block is not followed by the next iteration's)."""
+    """How far the periods around ``region``'s run (a quarter of a period more than one
+    period each way) reach before a storage of another iteration is born (the run's last
+    block is not followed by the next iteration's)."""
     q, d = region.q, region.d
     iterations = {t[4] for t in tok3[q : q + d] if t and t[0]}
 
@@ -384,11 +453,12 @@ def _same_iteration(tok3: list[tuple], region: _Region) -> tuple[int, int]:
         t = tok3[pos]
         return bool(t) and t[0] and t[4] not in iterations
 
+    slack = d // 4
     start = q
-    while start > max(q - d, 0) and not foreign(start - 1):
+    while start > max(q - d - slack, 0) and not foreign(start - 1):
         start -= 1
     end = q + d
-    while end < min(q + 2 * d, len(tok3)) and not foreign(end):
+    while end < min(q + 2 * d + slack, len(tok3)) and not foreign(end):
         end += 1
     return start, end
 
@@ -403,17 +473,14 @@ def _label(regions: list[_Region], size: int) -> list[tuple[int, str, int] | Non
     order = sorted(range(len(regions)), key=lambda j: -regions[j].d)
     for j in order:
         region = regions[j]
-        before = range(region.q - region.d, region.q)
-        after = range(region.q + region.d, region.q + 2 * region.d)
-        for pos in (*before, *after):
-            if not region.start <= pos < region.end:
-                continue
-            if owner_length[pos] == region.d and labels[pos] is not None:
-                labels[pos] = None  # contested: stays nobody's
-                continue
-            if owner_length[pos] != region.d:
-                labels[pos] = (j, *region.window(pos))
-                owner_length[pos] = region.d
+        for window, edges in region.edges.items():
+            for pos, offset in edges.items():
+                if owner_length[pos] == region.d and labels[pos] is not None:
+                    labels[pos] = None  # contested: stays nobody's
+                    continue
+                if owner_length[pos] != region.d:
+                    labels[pos] = (j, window, offset)
+                    owner_length[pos] = region.d
     for j, region in enumerate(regions):
         for pos in range(region.q, region.q + region.d):
             if labels[pos] is not None and labels[pos][1] == "x":
@@ -538,9 +605,9 @@ def _rebuild(t3, slots3, tok3, labels, regions, names, full, renamer) -> Trace: 
             raise NotRepeatable("a storage outlives the blocks around it")
         first, last = (0, full - 1) if region.sign > 0 else (full - 1, 0)
         if block == first:
-            return position(region.q - region.d + off)
+            return position(region.at("-", off))
         if block == last:
-            return position(region.q + region.d + off)
+            return position(region.at("+", off))
         copy_ = block - 1 if region.sign > 0 else full - 2 - block
         return starts[id(region)] + copy_ * region.d + off
 

@@ -1,0 +1,93 @@
+"""Block repetition under FSDP2 on fake ranks: the rebuilt trace of one rank equals the
+trace of every block, event for event, though FSDP2's buffers cross the blocks (a block's
+all-gather output is freed in the next block's pre-forward, its reduce-scatter input in
+the next block's post-backward, the first block in backward frees none and the last one
+prefetches none)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import TINY_GPT2, gqa_llama
+
+from vramplan.device.options import device_options
+from vramplan.distributed.fsdp import Fsdp2
+from vramplan.pipeline import trace_and_estimate
+from vramplan.recipe import Recipe
+from vramplan.sources import resolve
+from vramplan.trace.repeat import same_events
+
+WORLD = 8
+CONFIGS = {
+    "gpt2": {**TINY_GPT2, "n_embd": 64, "n_layer": 6},
+    "llama": gqa_llama(6),
+}
+
+
+@pytest.fixture(autouse=True)
+def _short_runs_repeat_too(monkeypatch):
+    """The tiny models here have 6-10 blocks; repetition's thresholds are a speed policy."""
+    monkeypatch.setattr("vramplan.trace.repeat.MIN_BLOCKS", 5)
+    monkeypatch.setattr("vramplan.trace.repeat.SHORTER", 10.0)
+
+
+def _both(tmp_path, config: dict, engine: Fsdp2, **knobs):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    recipe = Recipe(batch_size=2, seq_len=32, **knobs)
+    device = device_options(gpu="a100-80gb", data_parallel=engine.world_size)
+    results = []
+    for repeat in (False, True):
+        built = resolve(f"hf:{path}", recipe)
+        built.repeat_blocks = repeat
+        results.append(trace_and_estimate(built, recipe, "cuda", device, engine=engine))
+    return results
+
+
+def _assert_equal(full, repeated, note: str, blocks: int) -> None:
+    (f, tf), (r, tr) = full, repeated
+    assert [n for n in r.notes if n.startswith(note)], r.notes
+    assert [n for n in r.notes if not n.startswith("repeated blocks")] == list(f.notes)
+    assert any(f"fully_shard on {blocks} blocks" in n for n in r.notes)
+    assert r.peak.allocated_bytes == f.peak.allocated_bytes
+    assert r.components == f.components
+    assert abs(r.peak.reserved_bytes - f.peak.reserved_bytes) <= 0.005 * f.peak.reserved_bytes
+    assert r.phase_peaks == f.phase_peaks
+    assert same_events(tr, tf)
+    assert tr.op_counts == tf.op_counts and tr.module_kinds == tf.module_kinds
+
+
+@pytest.mark.parametrize(
+    ("kind", "knobs"),
+    [
+        ("gpt2", {}),
+        ("gpt2", {"checkpointing": "full", "precision": "amp-bf16"}),
+        ("gpt2", {"precision": "bf16", "optimizer": "sgd"}),
+        ("llama", {}),
+        ("llama", {"checkpointing": "full"}),
+        ("llama", {"precision": "amp-bf16"}),
+        ("llama", {"precision": "bf16", "checkpointing": "full"}),
+        ("llama", {"optimizer": "sgd", "precision": "amp-bf16"}),
+    ],
+)
+def test_fsdp_rank_repeats_its_blocks(tmp_path, kind, knobs):
+    full, repeated = _both(tmp_path, CONFIGS[kind], Fsdp2(WORLD), **knobs)
+    path = "transformer.h" if kind == "gpt2" else "model.layers"
+    _assert_equal(full, repeated, f"repeated blocks: traced 2 and 3 of the 6 {path}", 6)
+
+
+def test_kept_gathered_from_forward_to_backward(tmp_path):
+    """``--shard grad-op``: no resharding after forward, each block's gathered parameters
+    live from its forward to its backward."""
+    engine = Fsdp2(WORLD, reshard_after_forward=False)
+    full, repeated = _both(tmp_path, CONFIGS["llama"], engine, precision="amp-bf16")
+    _assert_equal(full, repeated, "repeated blocks: traced 2 and 3 of the 6 model.layers", 6)
+
+
+def test_checkpointed_in_part(tmp_path):
+    """Five of ten blocks checkpointed: two stretches, each repeated with FSDP2's buffers
+    crossing from one stretch into the other."""
+    full, repeated = _both(tmp_path, gqa_llama(10), Fsdp2(WORLD), checkpointing="5")
+    note = "repeated blocks: the 10 model.layers blocks are stretches of 5 blocks and 5 blocks"
+    _assert_equal(full, repeated, note, 10)
