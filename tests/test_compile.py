@@ -97,9 +97,10 @@ def _peak(records) -> int:
 def test_traced_region_keeps_what_inductor_keeps(inductor):
     """The same under the tracer: a meta-built block on fake tensors, the recorder counting
     the storages its forward leaves alive (the capture itself recorded nothing). The
-    fused pointwise results are not recorded, so the traced forward's peak is not above
-    Inductor's (whose CPU peak adds its GEMMs' packing buffers) and is below the eager
-    block's."""
+    fused pointwise results are not recorded, so the traced forward's peak is below the
+    eager block's. (Inductor's own CPU forward peak is not compared: whether its GEMMs add
+    packing buffers depends on the CPU's instruction set, and without them it lies 32 KiB
+    under the traced peak.)"""
     with torch.device("meta"):
         block = SwiGluBlock().to(torch.bfloat16)
     with FakeTensorMode(), AllocationRecorder() as recorder:
@@ -114,8 +115,7 @@ def test_traced_region_keeps_what_inductor_keeps(inductor):
         eager = recorder.records[first:]
         del out, eager_out
     assert kept == inductor[0], (kept, inductor)
-    assert kept <= _peak(compiled) <= inductor[1], (_peak(compiled), inductor)
-    assert _peak(compiled) < _peak(eager)
+    assert kept <= _peak(compiled) < _peak(eager), (_peak(compiled), _peak(eager))
 
 
 def _activations(trace) -> list[int]:
