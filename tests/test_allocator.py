@@ -271,3 +271,31 @@ def test_a_late_cublas_workspace_pins_a_cached_workspace_segment():
 
     assert reserved(cublas_first=True) == cublas + ws
     assert reserved(cublas_first=False) == ws + ws  # 60 + 8 MiB free around the 32 MiB
+
+
+def test_equal_free_blocks_go_lowest_address_first_so_placement_can_pin_a_segment():
+    """``BlockComparatorSize`` orders a pool by size, then address: of two equal free
+    blocks the lower one is taken. VGG16 at batch 128 with ``cudnn.benchmark``: a 1.125 MiB
+    weight gradient (kept until ``zero_grad``) has the 2 MiB free tails of a parameter
+    segment and of a 3138 MiB activation segment to choose from; in the activation
+    segment it survives the search's ``emptyCache()`` there and the next workspace of that
+    size needs a new segment (measured 22218 MiB; 19082 with the gradient in the
+    parameter segment, 22220 in the activation one). Here 20 and 100 MiB stand for them."""
+    weight, grad, big = 9 * MB, 1152 * 1024, 100 * MB
+
+    def reserved(new_segments_below: bool) -> tuple[int, int]:
+        sim = CachingAllocator(DEFAULT, new_segments_below=new_segments_below)
+        params = [sim.malloc(weight), sim.malloc(weight)]  # one 20 MiB segment, 2 MiB free
+        sim.free(sim.malloc(big), big)  # a workspace, cached
+        activation = sim.malloc(big - 2 * MB)  # its segment's 2 MiB tail stays free
+        kept = sim.malloc(grad)  # best fit: one of the two 2 MiB tails, the lower
+        lower = min(params[0].segment, activation.segment, key=lambda s: s.address)
+        assert kept.size == 2 * MB and kept.segment is lower
+        sim.free(activation, big - 2 * MB)
+        sim.empty_cache()  # the benchmark search's emptyCache()
+        after = sim.stats.reserved
+        sim.free(sim.malloc(big), big)  # the next workspace of that size
+        return after, sim.stats.peak_reserved
+
+    assert reserved(new_segments_below=False) == (20 * MB, 120 * MB)  # the 100 MiB released
+    assert reserved(new_segments_below=True) == (120 * MB, 220 * MB)  # pinned by the gradient

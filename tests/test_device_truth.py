@@ -411,3 +411,23 @@ def test_hopper_central_workspace_is_the_layout_transform_the_h200_measured():
     assert len(ratios) > 500
     assert 0.9 < statistics.median(ratios) < 1.1
     assert abs(hopper - measured) < abs(winograd - measured) / 3
+
+
+def test_the_h200_benchmark_row_lies_in_the_range_the_segment_placement_spans():
+    """VGG16 at batch 128 with ``cudnn.benchmark`` on the H200 (measured reserved 22218
+    MiB): whether a kept weight gradient takes a parameter segment's free tail or an
+    activation segment's, pinning it through the searches' ``emptyCache()``, depends on
+    which lies lower (``BlockComparatorSize``), which the driver decides; the central
+    replay puts new segments above the earlier ones, the range's high end below them."""
+    from pathlib import Path
+
+    from benchmarks.accuracy.gpu_table import benchmark_rows, estimate_row, table_identity
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks/results/gpu-nvidia-h200-2026-11-27"
+    gpu, stack = table_identity(folder)
+    rows = benchmark_rows(folder / "rows" / "cudnn_benchmark_on.jsonl")
+    row = next(r for r in rows if r.name == "vgg16-b128-bench")
+    result = estimate_row(row, gpu, stack)
+    assert abs(result["error_allocated"]) < 0.002, result
+    assert result["estimate_reserved"] < row.measured["reserved"]
+    assert result["inside_reserved"], result

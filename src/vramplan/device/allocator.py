@@ -36,6 +36,7 @@ SMALL_SIZE = 1 * MB
 SMALL_BUFFER = 2 * MB
 MIN_LARGE_ALLOC = 10 * MB
 ROUND_LARGE = 2 * MB
+SEGMENT_SPACING = 1 << 40  # simulated segments' addresses: far enough apart for any size
 
 
 def round_size(size: int, config: AllocatorConfig) -> int:
@@ -156,16 +157,31 @@ class CachingAllocator:
 
     ``capacity`` is the memory the allocator may reserve (the card minus what the CUDA
     context and libraries hold); ``None`` means unlimited.
+
+    Free blocks of the same size are taken lowest address first (``BlockComparatorSize``
+    orders a pool by stream, size, then ``ptr``), so where ``cudaMalloc`` puts a segment
+    decides which of two equal blocks a request gets. That is the CUDA driver's choice:
+    by default each new segment lies above the earlier ones; ``new_segments_below`` puts
+    each below them (the TinyLlama snapshot's fp32 cast copies, allocated after its bf16
+    weights, lie below them).
     """
 
-    def __init__(self, config: AllocatorConfig, capacity: int | None = None) -> None:
+    def __init__(
+        self,
+        config: AllocatorConfig,
+        capacity: int | None = None,
+        new_segments_below: bool = False,
+    ) -> None:
         self.config = config
         self.capacity = capacity
         self.stats = AllocatorStats()
         self.small = _Pool()
         self.large = _Pool()
         self.segments: list[Segment] = []
-        self._addresses = itertools.count(start=1 << 40, step=1 << 40)
+        if new_segments_below:
+            self._addresses = itertools.count(2**20 * SEGMENT_SPACING, -SEGMENT_SPACING)
+        else:
+            self._addresses = itertools.count(SEGMENT_SPACING, SEGMENT_SPACING)
 
     # -- public ------------------------------------------------------------------------
     def malloc(self, size: int, stream: int = 0) -> Block:
@@ -439,17 +455,19 @@ def replay(
     config: AllocatorConfig,
     capacity: int | None = None,
     device_free: int | None = None,
+    new_segments_below: bool = False,
 ) -> ReplayResult:
     """Feed requests to a simulated allocator; stop at the first out-of-memory error.
     ``device_free`` bounds what cuDNN's benchmark sees as free device memory when no
-    ``capacity`` is set (``None``: unbounded).
+    ``capacity`` is set (``None``: unbounded); ``new_segments_below`` places each new
+    segment below the earlier ones (``CachingAllocator``).
 
     >>> result = replay([Request(0, 3 * 2**20, True), Request(0, 3 * 2**20, False)],
     ...                 AllocatorConfig())
     >>> result.stats.peak_reserved
     20971520
     """
-    allocator = CachingAllocator(config, capacity)
+    allocator = CachingAllocator(config, capacity, new_segments_below)
     live: dict[int, tuple[Block, int]] = {}
     sizes: dict[int, int] = {}
     limit = capacity if capacity is not None else device_free

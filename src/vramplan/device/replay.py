@@ -282,12 +282,19 @@ def _replays(trace: Trace, options: DeviceOptions, config: AllocatorConfig, usab
 def order_excess(central: _Run, config: AllocatorConfig, usable: int, late_state: bool) -> int:
     """How far above the central replay's reserved peak the step's other legal orders
     reach (``device.orders``: more iterations; with ``late_state``, the optimizer state
-    created one step late): the high side of the fragmentation term, never below 0."""
+    created one step late), and the central order with each new segment placed below the
+    earlier ones (the driver picks the addresses, which break ties between equal free
+    blocks: ``CachingAllocator``): the high side of the fragmentation term, never below 0.
+    """
     free = usable - central.outside.total
     peaks = [
         replay(requests, config, device_free=free).stats.peak_reserved
         for requests in legal_orders(central.on_device, late_state).values()
     ]
+    below = replay(
+        requests_of(central.on_device), config, device_free=free, new_segments_below=True
+    )
+    peaks.append(below.stats.peak_reserved)
     return max([0, *(peak - central.reserved for peak in peaks)])
 
 
