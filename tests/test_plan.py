@@ -97,7 +97,7 @@ def test_bisection_cost_counts_doubling_then_halving():
 
 def test_levers_never_add_memory_and_accumulation_keeps_the_batch(tiny_cnn):
     recipe = Recipe(batch_size=64, input_shape=(3, 32, 32), optimizer="adamw")
-    bench = _bench(tiny_cnn, "1750MiB")
+    bench = _bench(tiny_cnn, "1800MiB")
     result = plan_levers(bench, recipe)
     names = [lever.name for lever in result.levers]
     assert names[:3] == ["mixed precision", "bf16 weights", "activation checkpointing"]
@@ -120,7 +120,7 @@ def test_plan_reproduces_through_ordinary_flags(capsys, tiny_cnn):
             "--input-shape",
             "3x32x32",
             "--gpu-memory",
-            "1750MiB",
+            "1800MiB",
             "--json",
         ]
     )
@@ -136,7 +136,7 @@ def test_plan_reproduces_through_ordinary_flags(capsys, tiny_cnn):
         "--input-shape",
         "3x32x32",
         "--gpu-memory",
-        "1750MiB",
+        "1800MiB",
         "--json",
         *plan["flags"].split(),
     ]
@@ -197,9 +197,9 @@ def test_plan_prints_whole_flags_on_a_narrow_terminal(capsys, monkeypatch, tiny_
     """At 80 columns the table wraps its cells; the flags to copy must stay whole."""
     monkeypatch.setenv("COLUMNS", "80")
     args = ["plan", tiny_cnn, "--batch-size", "64", "--input-shape", "3x32x32"]
-    main([*args, "--gpu-memory", "1750MiB", "--json"])
+    main([*args, "--gpu-memory", "1800MiB", "--json"])
     data = json.loads(capsys.readouterr().out)
-    main([*args, "--gpu-memory", "1750MiB"])
+    main([*args, "--gpu-memory", "1800MiB"])
     lines = capsys.readouterr().out.splitlines()
     for lever in data["levers"]:
         assert any(line.strip() == f"{lever['name']}: {lever['flags']}" for line in lines)

@@ -264,7 +264,7 @@ def set_quantized_cache(cache: Any, kv: KvQuantization, prompt: int, seen: int) 
         batch, heads, _, dim = (
             layer._quantized_keys.shape if kv.backend != "fp8" else layer._quantized_keys[0].shape
         )
-        dtype = layer.dtype
+        dtype = layer.keys.dtype  # lazy_initialization made keys in the states' dtype
         shape = (batch, heads, packed, dim)
         if kv.backend == "fp8":
             for name in ("_quantized_keys", "_quantized_values"):
