@@ -158,3 +158,19 @@ def _offline(monkeypatch) -> None:
     """No test reaches the Hugging Face Hub: hub ids resolve from the cache or the catalog
     (tests of the download path mock huggingface_hub's download function)."""
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+def assert_same_estimate(full, repeated, note: str) -> None:
+    """A block-repeated (estimate, trace) pair equals the full trace's: the note says the
+    blocks were repeated, every other note, peak, component and event is the same."""
+    from vramplan.trace.repeat import same_events
+
+    (f, tf), (r, tr) = full, repeated
+    assert [n for n in r.notes if n.startswith(note)], r.notes
+    assert [n for n in r.notes if not n.startswith("repeated blocks")] == list(f.notes)
+    assert r.peak.allocated_bytes == f.peak.allocated_bytes
+    assert r.components == f.components
+    assert abs(r.peak.reserved_bytes - f.peak.reserved_bytes) <= 0.005 * f.peak.reserved_bytes
+    assert r.phase_peaks == f.phase_peaks
+    assert same_events(tr, tf)
+    assert tr.op_counts == tf.op_counts and tr.module_kinds == tf.module_kinds

@@ -9,14 +9,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import TINY_GPT2, gqa_llama
+from conftest import TINY_GPT2, assert_same_estimate, gqa_llama
 
 from vramplan.device.options import device_options
 from vramplan.distributed.fsdp import Fsdp2
 from vramplan.pipeline import trace_and_estimate
 from vramplan.recipe import Recipe
 from vramplan.sources import resolve
-from vramplan.trace.repeat import same_events
 
 WORLD = 8
 CONFIGS = {
@@ -46,16 +45,8 @@ def _both(tmp_path, config: dict, engine: Fsdp2, **knobs):
 
 
 def _assert_equal(full, repeated, note: str, blocks: int) -> None:
-    (f, tf), (r, tr) = full, repeated
-    assert [n for n in r.notes if n.startswith(note)], r.notes
-    assert [n for n in r.notes if not n.startswith("repeated blocks")] == list(f.notes)
-    assert any(f"fully_shard on {blocks} blocks" in n for n in r.notes)
-    assert r.peak.allocated_bytes == f.peak.allocated_bytes
-    assert r.components == f.components
-    assert abs(r.peak.reserved_bytes - f.peak.reserved_bytes) <= 0.005 * f.peak.reserved_bytes
-    assert r.phase_peaks == f.phase_peaks
-    assert same_events(tr, tf)
-    assert tr.op_counts == tf.op_counts and tr.module_kinds == tf.module_kinds
+    assert_same_estimate(full, repeated, note)
+    assert any(f"fully_shard on {blocks} blocks" in n for n in repeated[0].notes)
 
 
 @pytest.mark.parametrize(

@@ -6,13 +6,12 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import gqa_llama
+from conftest import assert_same_estimate, gqa_llama
 
 from vramplan.device.options import device_options
 from vramplan.pipeline import trace_and_estimate
 from vramplan.recipe import Recipe
 from vramplan.sources import resolve
-from vramplan.trace.repeat import same_events
 
 
 @pytest.fixture(autouse=True)
@@ -35,20 +34,8 @@ def _both(tmp_path, layers: int, **knobs):
     return results
 
 
-def _assert_equal(full, repeated, note: str) -> None:
-    (f, tf), (r, tr) = full, repeated
-    assert [n for n in r.notes if n.startswith(note)], r.notes
-    assert [n for n in r.notes if not n.startswith("repeated blocks")] == list(f.notes)
-    assert r.peak.allocated_bytes == f.peak.allocated_bytes
-    assert r.components == f.components
-    assert abs(r.peak.reserved_bytes - f.peak.reserved_bytes) <= 0.005 * f.peak.reserved_bytes
-    assert r.phase_peaks == f.phase_peaks
-    assert same_events(tr, tf)
-    assert tr.op_counts == tf.op_counts and tr.module_kinds == tf.module_kinds
-
-
 def test_every_second_block_checkpointed(tmp_path):
     """One stretch whose unit is two blocks (a plain one, then a checkpointed one)."""
     full, repeated = _both(tmp_path, 10, checkpointing="every:2", precision="amp-bf16")
     note = "repeated blocks: the 10 model.layers blocks are stretches of 5 units of 2 blocks"
-    _assert_equal(full, repeated, note)
+    assert_same_estimate(full, repeated, note)

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import vramplan
+from benchmarks.accuracy.run import recipe_of
 from vramplan.device.catalog import lookup_gpu
 from vramplan.errors import UserError
-from vramplan.recipe import Recipe, parse_shape
+from vramplan.recipe import Recipe
 
 FIGURES = ("allocated", "reserved", "device_total")
 RANGES = {"reserved": "reserved_range_bytes", "device_total": "device_total_range_bytes"}
@@ -45,19 +46,6 @@ class MeasuredRow:
     cudnn_benchmark: bool = False
 
 
-def _recipe_of_study(row: dict) -> Recipe:
-    return Recipe(
-        batch_size=int(row["batch_size"]),
-        seq_len=int(row["seq_len"]) if row["seq_len"] else None,
-        input_shape=parse_shape(row["input_shape"]) if row["input_shape"] else None,
-        precision=row["precision"],
-        optimizer=row["optimizer"],
-        checkpointing=row["checkpointing"],
-        grad_accum=int(row["grad_accum"]),
-        mode=row["mode"],
-    )
-
-
 def study_rows(path: Path) -> list[MeasuredRow]:
     """The ok rows of an accuracy-study CSV."""
     with path.open() as handle:
@@ -66,7 +54,7 @@ def study_rows(path: Path) -> list[MeasuredRow]:
         MeasuredRow(
             r["name"],
             r["model"],
-            _recipe_of_study(r),
+            recipe_of(r),
             {f: int(r[f"measured_{f}"]) for f in FIGURES if r.get(f"measured_{f}")},
             "study",
         )
