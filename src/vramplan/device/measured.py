@@ -29,6 +29,7 @@ keeps the model's figure.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -196,18 +197,26 @@ def _same_card(reported: str, gpu: str) -> bool:
         return slug(reported) == slug(gpu)
 
 
+@functools.cache
+def _read(path: str, modified_ns: int) -> MeasuredTable | None:
+    """The table in ``path`` (None for another schema's file), parsed once per version of
+    the file: every estimate with a card looks its tables up."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise UserError(f"malformed measured table {path}: {exc}") from None
+    if not isinstance(data, dict) or data.get("schema") != SCHEMA:
+        return None
+    return parse_table(data, path)
+
+
 def _tables_of(gpu: str) -> list[MeasuredTable]:
     tables = []
     for folder in _folders():
         for path in sorted(folder.glob("*.json")) if folder.is_dir() else ():
-            try:
-                data = json.loads(path.read_text())
-            except json.JSONDecodeError as exc:
-                raise UserError(f"malformed measured table {path}: {exc}") from None
-            if not isinstance(data, dict) or data.get("schema") != SCHEMA:
-                continue
-            if _same_card(str(data.get("gpu", "")), gpu):
-                tables.append(parse_table(data, str(path)))
+            table = _read(str(path), path.stat().st_mtime_ns)
+            if table is not None and _same_card(table.gpu, gpu):
+                tables.append(table)
     return tables
 
 
