@@ -431,3 +431,32 @@ def test_the_h200_benchmark_row_lies_in_the_range_the_segment_placement_spans():
     assert abs(result["error_allocated"]) < 0.002, result
     assert result["estimate_reserved"] < row.measured["reserved"]
     assert result["inside_reserved"], result
+
+
+def test_a_batch_the_harvest_did_not_run_gets_its_neighbours_engines_as_the_range():
+    """At batch 64, between a harvest's batch 32 and 128, the central workspace is affine
+    between them and the ends are each measured engine's workspace per image; at a batch
+    the harvest ran, the measurement is the whole range."""
+    from vramplan.device.measured import SCHEMA, parse_table
+    from vramplan.device.replay import conv_workspace
+
+    rows = [
+        {"pass": "forward", "dtype": "float32", "input": [n, 64, 56, 56], "weight": [64, 64, 3, 3],
+         "stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1,
+         "workspace_bytes": w}
+        for n, w in ((32, 96 * MiB), (128, 256 * MiB))
+    ]  # fmt: skip
+    table = parse_table({"schema": SCHEMA, "gpu": "NVIDIA H200", "conv_workspaces": rows})
+
+    def case(n: int) -> ConvCase:
+        return ConvCase("forward", "float32", "contiguous", (n, 64, 56, 56), (64, 64, 3, 3),
+                        (1, 1), (1, 1), (1, 1), 1)  # fmt: skip
+
+    between = conv_workspace(case(64), False, table)
+    assert (between.low, between.central, between.high) == (
+        128 * MiB,
+        round(96 * MiB + 160 * MiB / 3),
+        192 * MiB,
+    )
+    ran = conv_workspace(case(128), False, table)
+    assert ran.low == ran.central == ran.high == 256 * MiB

@@ -83,8 +83,9 @@ def _profile(cublas_loaded: bool) -> DeviceProfile:
 def test_a_context_measured_before_the_first_gemm_adds_cublas_images():
     """HF's floor is read after ``torch.ones((1, 1))``: no GEMM, no cuBLAS kernels yet.
     On an eager stack the central figure takes the table's high image size and the range
-    keeps its low one."""
-    low_img, _, high_img = runtime_table()["kernel_images"]["cublas_range_bytes"]
+    keeps its low one; its high end is the eager image measured on the H200."""
+    images = runtime_table()["kernel_images"]
+    low_img, _, high_img = images["cublas_range_bytes"]
     base = device_options(gpu="v100-16gb", stack="torch1.10-cu11.2")
     without = _mlp_estimate(replace(base, profile=_profile(cublas_loaded=True)))
     bare = _mlp_estimate(replace(base, profile=_profile(cublas_loaded=False)))
@@ -92,7 +93,10 @@ def test_a_context_measured_before_the_first_gemm_adds_cublas_images():
     assert bare.runtime["cublas_kernels"] == high_img
     assert bare.peak.device_total_bytes - without.peak.device_total_bytes == high_img
     floor_low, floor_high = bare.details["range"]["terms"]["floor"]
-    assert (floor_low, floor_high) == (low_img - high_img, 0)
+    assert (floor_low, floor_high) == (
+        low_img - high_img,
+        images["eager_cublas_high_bytes"] - high_img,
+    )
 
 
 def test_the_verdict_note_names_a_term_that_raises_the_high_end():
@@ -108,3 +112,25 @@ def test_the_verdict_note_names_a_term_that_raises_the_high_end():
     assert tight.verdict.status == "tight"
     (note,) = [n for n in tight.notes if "high end of the range passes" in n]
     assert "CUDA context" in note and "segments" not in note
+
+
+def test_a_reading_that_lowers_the_reserved_peak_raises_the_high_end_as_far():
+    """Segment packing answers small changes chaotically: when the high-workspace replay
+    holds 300 MiB *less* than the central one for 100 MiB more allocated (400 MiB less
+    fragmentation), the fragmentation term's high side allows 400 MiB more, above the
+    legal orders' 100 MiB; the low reading's smaller peak alone widens nothing."""
+    from types import SimpleNamespace
+
+    from vramplan.device.replay import _range, _Run
+
+    def run(reserved_mib: int, allocated_mib: int) -> _Run:
+        stats = SimpleNamespace(
+            peak_reserved=reserved_mib * MiB, peak_allocated=allocated_mib * MiB
+        )
+        outside = SimpleNamespace(total=500 * MiB)
+        return _Run(None, outside, SimpleNamespace(stats=stats))
+
+    runs = {"central": run(1000, 800), "low": run(900, 700), "high": run(700, 900)}
+    reserved, total, widths = _range(runs, counted_reserve=0, order_high=100 * MiB)
+    assert widths["terms"]["fragmentation"][1] == 400 * MiB
+    assert reserved[1] == 1400 * MiB and total[1] == 1900 * MiB

@@ -48,6 +48,10 @@ COLUMNS = [
 ]
 for _figure in FIGURES:
     COLUMNS += [f"estimate_{_figure}", f"measured_{_figure}", f"error_{_figure}"]
+RANGED = ("reserved", "device_total")
+"""The device-level figures an estimate gives a [low, high] range for."""
+for _figure in RANGED:
+    COLUMNS += [f"low_{_figure}", f"high_{_figure}", f"inside_{_figure}"]
 COLUMNS += ["estimate_seconds", "measure_seconds", "torch", "cuda", "driver", "gpu"]
 
 
@@ -98,6 +102,12 @@ def run_one(row: dict, device: str) -> dict:
             out[f"estimate_{figure}"] = estimates[figure]
             out[f"measured_{figure}"] = measured[figure]
             out[f"error_{figure}"] = result.errors.get(figure)
+    ranges = {"reserved": peak.reserved_range_bytes, "device_total": peak.device_total_range_bytes}
+    for figure in RANGED:
+        if measured[figure] and ranges[figure]:
+            low, high = ranges[figure]
+            out.update({f"low_{figure}": low, f"high_{figure}": high})
+            out[f"inside_{figure}"] = "yes" if low <= measured[figure] <= high else "no"
     out["measure_seconds"] = round(time.perf_counter() - start, 2)
     versions = result.measured.versions
     out.update(
@@ -125,8 +135,9 @@ def run_fresh(row: dict, device: str) -> dict:
 
 def summarise(rows: list[dict]) -> list[str]:
     lines = [
-        "| figure | workloads | median abs error | p95 abs error | worst under-prediction |",
-        "| --- | ---: | ---: | ---: | ---: |",
+        "| figure | workloads | median abs error | p95 abs error | worst under-prediction "
+        "| inside [low, high] |",
+        "| --- | ---: | ---: | ---: | ---: | ---: |",
     ]
     for figure in FIGURES:
         errors = [
@@ -137,9 +148,11 @@ def summarise(rows: list[dict]) -> list[str]:
         absolute = sorted(abs(e) for e in errors)
         p95 = absolute[min(len(absolute) - 1, round(0.95 * (len(absolute) - 1)))]
         worst = min(errors)
+        inside = [r[f"inside_{figure}"] for r in rows if r.get(f"inside_{figure}")]
+        coverage = f"{inside.count('yes')} of {len(inside)}" if inside else "-"
         lines.append(
             f"| {figure} | {len(errors)} | {statistics.median(absolute):.2%} | "
-            f"{p95:.2%} | {min(worst, 0.0):+.2%} |"
+            f"{p95:.2%} | {min(worst, 0.0):+.2%} | {coverage} |"
         )
     return lines
 

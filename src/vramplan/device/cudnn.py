@@ -19,7 +19,7 @@ cuDNN publishes no workspace formulas, only which engines need "significant" wor
 
     >>> case = ConvCase("forward", "float32", "contiguous", (128, 64, 224, 224),
     ...                 (64, 64, 3, 3), (1, 1), (1, 1), (1, 1), 1)
-    >>> engine_workspace(case).rule
+    >>> engine_workspace(case).rule.split(";")[0]
     'dense 3x3 stride 1: Winograd non-fused (central), implicit GEMM (low), FFT (high)'
 
 A measured table (``device/measured.py``) replaces the model for the configurations it
@@ -139,7 +139,8 @@ def engine_workspace(
     case: ConvCase, engines: dict | None = None, family: str | None = None
 ) -> Workspace:
     """The stated engine model (see the module docstring and ``runtime.json``); on a card
-    of a ``layout_transform_families`` family the central reading is ``layout_transform``.
+    of a ``layout_transform_families`` family the central reading is ``layout_transform``,
+    on other cards it joins the high end.
 
     >>> case = ConvCase("forward", "float32", "contiguous", (32, 64, 56, 56),
     ...                 (64, 64, 3, 3), (1, 1), (1, 1), (1, 1), 1)
@@ -148,9 +149,17 @@ def engine_workspace(
     """
     engines = engines or runtime_table()["cudnn_engines"]
     modelled = _engine_model(case, engines)
-    if family not in engines["layout_transform_families"]:
-        return modelled
     central = layout_transform(case)
+    if family not in engines["layout_transform_families"]:
+        # the tensor-core engines measured on Hopper are a reading other families' stacks
+        # may pick too (which engines a cuDNN version ranks first is not published)
+        return Workspace(
+            modelled.low,
+            modelled.central,
+            max(modelled.high, central),
+            tuple(sorted({*modelled.candidates, central})),
+            modelled.rule + "; high: NCHW <-> NHWC tensor-core copies if larger",
+        )
     return Workspace(
         modelled.low,
         central,

@@ -82,6 +82,25 @@ class MeasuredTable:
         points = self.batches.get(_unbatched(_key(case, benchmark)))
         return between_batches(points, int(case.input[0])) if points else None
 
+    def spread(self, case: ConvCase, benchmark: bool) -> tuple[int, int] | None:
+        """[low, high] of the cached-call workspace of a configuration measured only at
+        other batches (``per_image_spread``); None when the harvest ran it as it is.
+
+        >>> table = parse_table({"schema": SCHEMA, "gpu": "H200", "conv_workspaces": [
+        ...     {"pass": "forward", "dtype": "float32", "input": [n, 8, 32, 32],
+        ...      "weight": [8, 8, 3, 3], "stride": [1, 1], "padding": [1, 1],
+        ...      "dilation": [1, 1], "groups": 1, "workspace_bytes": w}
+        ...     for n, w in ((32, 100), (128, 800))]})
+        >>> case = ConvCase("forward", "float32", "contiguous", (64, 8, 32, 32),
+        ...                 (8, 8, 3, 3), (1, 1), (1, 1), (1, 1), 1)
+        >>> table.workspace(case, False), table.spread(case, False)
+        ((333, 333), (200, 400))
+        """
+        if _key(case, benchmark) in self.workspaces:
+            return None
+        points = self.batches.get(_unbatched(_key(case, benchmark)))
+        return per_image_spread(points, int(case.input[0])) if points else None
+
 
 def between_batches(points: list[tuple[int, tuple[int, int]]], batch: int) -> tuple[int, int]:
     """Workspaces at ``batch`` from those measured at other batches of one configuration:
@@ -102,6 +121,18 @@ def between_batches(points: list[tuple[int, tuple[int, int]]], batch: int) -> tu
         return tuple(round(a + (b - a) * share) for a, b in zip(w0, w1, strict=True))
     n, sizes = below[-1] if below else above[0]
     return tuple(round(size * batch / n) for size in sizes)
+
+
+def per_image_spread(points: list[tuple[int, tuple[int, int]]], batch: int) -> tuple[int, int]:
+    """The least and most cached-call workspace at ``batch`` if cuDNN's heuristic picks, at a
+    batch the harvest did not run, the engine it picked at one of the batches it ran, with
+    that engine's per-image buffers: each measured workspace scaled to ``batch``.
+
+    >>> per_image_spread([(32, (100, 10)), (128, (400, 80))], 64)
+    (20, 40)
+    """
+    scaled = [round(sizes[1] * batch / n) for n, sizes in points]
+    return min(scaled), max(scaled)
 
 
 def _unbatched(key: tuple) -> tuple:

@@ -103,10 +103,12 @@ def outside_allocator(
     convs = uses_convolution(trace)
     images = table["kernel_images"]
     eager = stack is not None and not stack.lazy_loading
-    # Eager loading loads a library's every kernel: its central and high readings take
-    # the high end; how large that image is stays unknown, so the low end is kept.
+    # Eager loading loads a library's every kernel: its central reading takes the high
+    # end, its high reading the largest eager cuBLAS image measured; the low end is kept.
     reading = "high" if eager and variant != "low" else variant
     cublas = _pick(images["cublas_range_bytes"], reading) if matmuls else 0
+    if eager and variant == "high" and matmuls:
+        cublas = max(cublas, images["eager_cublas_high_bytes"])
     cudnn = _pick(images["cudnn_range_bytes"], reading) if convs else 0
     if profile is not None:
         cudnn = cudnn if convs and not profile.cudnn_loaded else 0
