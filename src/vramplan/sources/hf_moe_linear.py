@@ -17,7 +17,10 @@ layout lets ``--quantize`` reach the experts; the parameter count is the same::
     1184
 
 The loop's per-expert token counts are data (``torch.where`` over the expert mask); they are
-sized by ``--moe-routing`` (``hf_moe.expert_loads``), as ``--experts eager`` does.
+sized by ``--moe-routing`` (``hf_moe.expert_loads``), as ``--experts eager`` does. The block
+keeps transformers 5's attribute name, ``mlp`` (4.x called it ``block_sparse_moe``), because
+5's decoder layer calls ``self.mlp``; it returns the hidden states only (4.x also returned
+the router logits, which the decoder layer drops unless ``output_router_logits``).
 """
 
 from __future__ import annotations
@@ -76,11 +79,11 @@ class LinearExpertsBlock(nn.Module):
         final = torch.zeros(
             (batch * sequence, hidden), dtype=hidden_states.dtype, device=hidden_states.device
         )
+        # 4.x's expert mask, alive through the loop (its torch.where reads it per expert)
         expert_mask = F.one_hot(selected, num_classes=self.num_experts).permute(2, 1, 0)
-        torch.greater(expert_mask.sum(dim=(-1, -2)), 0)  # expert_hit, before its nonzero
         loads = expert_loads(batch * sequence, self.top_k, self.num_experts, self.routing)
         for expert, count in zip(self.experts, loads, strict=True):
-            if not count:  # MatMul4Bit returns an empty output for an empty input
+            if not count:  # an expert without tokens allocates nothing
                 continue
             # torch.where(expert_mask[expert_idx]): the top-k slots and tokens routed here
             idx = torch.zeros(count, dtype=torch.long, device=final.device)
@@ -88,6 +91,7 @@ class LinearExpertsBlock(nn.Module):
             state = hidden_states[None, top_x].reshape(-1, hidden)
             state = expert(state) * routing_weights[top_x, idx, None]
             final.index_add_(0, top_x, state.to(hidden_states.dtype))
+        del expert_mask
         return final.reshape(batch, sequence, hidden)
 
 
