@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
 from vramplan.errors import UserError
 from vramplan.sources.hf_moe import expert_loads
@@ -38,6 +37,8 @@ class ExpertMLP(nn.Module):
     """4.48's ``MixtralBlockSparseTop2MLP``: ``w2(act(w1(x)) * w3(x))``."""
 
     def __init__(self, config, device) -> None:
+        from transformers.activations import ACT2FN  # transformers is an optional extra
+
         super().__init__()
         hidden, ffn = config.hidden_size, config.intermediate_size
         self.w1 = nn.Linear(hidden, ffn, bias=False, device=device)
