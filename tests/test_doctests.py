@@ -24,6 +24,7 @@ NEEDS = {
     "vramplan.sources.base": "torchvision",
     "vramplan.sources.vision": "torchvision",
     "vramplan.sources.hf": "transformers",
+    "vramplan.sources.hf_moe_linear": "transformers",
     "vramplan.distributed.facts": "transformers",
 }
 

@@ -6,15 +6,21 @@ and the traced per-expert loop must allocate exactly those rows."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
+import torch
+import transformers
+from torch import nn
 
 from vramplan.errors import UserError
 from vramplan.pipeline import estimate_built
 from vramplan.recipe import Recipe
 from vramplan.result import Phase
 from vramplan.sources import resolve
-from vramplan.sources.hf_moe import expert_loads
+from vramplan.sources.hf_moe import expert_loads, register
+from vramplan.sources.hf_moe_linear import LinearExpertsBlock
+from vramplan.sources.quantized import QuantizedLinear, layout_4bit
 from vramplan.trace.policy import policy_for
 from vramplan.trace.step import trace_training
 
@@ -111,3 +117,78 @@ def test_other_families_trace_with_the_loop_and_refusals(tmp_path):
     del dense["num_local_experts"], dense["num_experts_per_tok"]
     with pytest.raises(UserError, match="no mixture of experts"):
         resolve(_config(tmp_path, dense), Recipe(experts="eager"))
+
+
+def _built(tmp_path, experts: str | None, **knobs):
+    recipe = Recipe(seq_len=32, precision="bf16", experts=experts, **knobs)
+    return resolve(_config(tmp_path, MIXTRAL), recipe).model
+
+
+def test_linear_experts_hold_the_same_parameters_as_transformers_5(tmp_path):
+    grouped = _built(tmp_path, None)
+    linear = _built(tmp_path, "linear")
+    assert sum(p.numel() for p in linear.parameters()) == sum(
+        p.numel() for p in grouped.parameters()
+    )
+    names = {name for name, _ in linear.named_parameters()}
+    assert "model.layers.0.mlp.experts.3.w2.weight" in names
+    assert "model.layers.0.mlp.gate.weight" in names
+
+
+def test_nf4_reaches_every_expert_linear_and_the_router(tmp_path):
+    model = _built(tmp_path, "linear", quantize="nf4", double_quant=True)
+    block = model.model.layers[0].mlp
+    expected = {(INTER, HIDDEN): 2 * EXPERTS, (HIDDEN, INTER): EXPERTS, (EXPERTS, HIDDEN): 1}
+    seen: dict[tuple[int, int], int] = {}
+    for layer in block.modules():
+        if isinstance(layer, nn.Linear):
+            assert isinstance(layer, QuantizedLinear) and layer.scheme == "nf4"
+            shape = (layer.out_features, layer.in_features)
+            seen[shape] = seen.get(shape, 0) + 1
+            layout = layout_4bit(*shape, double_quant=True)
+            assert layer.stored_bytes() == sum(
+                math.prod(size) * torch.empty((), dtype=dtype).element_size()
+                for size, dtype in layout.values()
+            )
+    assert seen == expected
+
+
+def test_linear_experts_compute_what_the_5x_loop_computes(tmp_path):
+    """A real CPU forward and backward: 4.48's block with the 5.x block's weights (w1 and w3
+    the halves of gate_up_proj, w2 down_proj, the router's weight the gate's) gives the
+    same output and input gradient under the same routing policy."""
+    from transformers import MixtralConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    register(transformers)
+    config = MixtralConfig(**{k: v for k, v in MIXTRAL.items() if k != "architectures"})
+    config._experts_implementation = "vramplan_eager_balanced"
+    torch.manual_seed(0)
+    grouped = MixtralSparseMoeBlock(config)
+    for param in grouped.parameters():
+        nn.init.normal_(param, std=0.1)
+    linear = LinearExpertsBlock(config, "balanced", device="cpu")
+    with torch.no_grad():
+        linear.gate.weight.copy_(grouped.gate.weight)
+        for index, expert in enumerate(linear.experts):
+            w1, w3 = grouped.experts.gate_up_proj[index].chunk(2, dim=0)
+            expert.w1.weight.copy_(w1)
+            expert.w3.weight.copy_(w3)
+            expert.w2.weight.copy_(grouped.experts.down_proj[index])
+    outputs, grads = [], []
+    for block in (grouped, linear):
+        x = torch.randn(2, 8, HIDDEN, generator=torch.Generator().manual_seed(1))
+        x.requires_grad_(True)
+        out = block(x)
+        out.square().sum().backward()
+        outputs.append(out.detach())
+        grads.append(x.grad)
+    torch.testing.assert_close(outputs[0], outputs[1])
+    # the input gradient sums w1's and w3's parts apart, not in one fused matmul: fp32
+    # rounding of a different summation order
+    torch.testing.assert_close(grads[0], grads[1], rtol=1e-4, atol=1e-4)
+
+
+def test_linear_experts_refuse_other_families(tmp_path):
+    with pytest.raises(UserError, match="no Mixtral experts block"):
+        resolve(_config(tmp_path, QWEN2_MOE), Recipe(experts="linear"))

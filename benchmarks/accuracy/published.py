@@ -208,12 +208,6 @@ def _reason(source: dict) -> str:
         return "float8 training or torch.compile: not traced"
     if "sac" in text.split() or "selective op" in text or "op-level sac" in text:
         return "op-level selective activation checkpointing (torchtitan SAC) is not a mode here"
-    if "mixtral" in text and "nf4" in text:
-        return (
-            "Mixtral QLoRA: transformers 4.48's experts were nn.Linear layers that bitsandbytes "
-            "quantized; the installed transformers holds them as 3-D parameters, which "
-            "--quantize leaves in bf16"
-        )
     if "zero-3" in text and "lora" in text:
         return "LoRA under DeepSpeed ZeRO-3 with CPU offload: ZeRO is formula-only"
     if "fsdp" in text or "deepspeed" in text or "zero" in text:

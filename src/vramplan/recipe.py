@@ -508,7 +508,7 @@ def _check_vision(recipe: Recipe) -> None:
 
 ATTENTION = ("eager", "sdpa", "flash_attention_2", "flex_attention")
 MOE_ROUTING = ("balanced", "worst")
-EXPERTS = ("grouped_mm", "eager")
+EXPERTS = ("grouped_mm", "eager", "linear")
 MODEL_INPUT_DEFAULTS = {
     "attention": None,
     "moe_routing": "balanced",

@@ -723,8 +723,10 @@ ExpertsOpt = Annotated[
     str | None,
     typer.Option(
         "--experts",
-        help="grouped_mm | eager: transformers' experts_implementation for mixture-of-experts "
-        "models (default grouped_mm; eager is the per-expert loop --moe-routing sizes).",
+        help="grouped_mm | eager | linear: transformers' experts_implementation for "
+        "mixture-of-experts models (default grouped_mm; eager is the per-expert loop "
+        "--moe-routing sizes; linear is transformers 4.x's Mixtral layout, every expert three "
+        "nn.Linear that --quantize reaches, run by that loop).",
     ),
 ]
 TargetLenOpt = Annotated[

@@ -36,6 +36,7 @@ from vramplan.sources.hf_inputs import (
 )
 from vramplan.sources.hf_moe import experts_name, is_moe, moe_note
 from vramplan.sources.hf_moe import register as register_experts
+from vramplan.sources.hf_moe_linear import use_linear_experts
 from vramplan.sources.hub import parse_hub_id
 
 
@@ -170,10 +171,13 @@ def _local_model(
         implementations["experts_implementation"] = experts_name(recipe)
     try:
         with torch.device(device):
-            return model_class._from_config(config, **implementations)
+            model = model_class._from_config(config, **implementations)
     except Exception as exc:  # a config transformers accepts but cannot build
         reason = " ".join(str(exc).split())
         raise UserError(f"cannot build {model_class.__name__} from {label}: {reason}") from None
+    if recipe.experts == "linear":
+        use_linear_experts(model, recipe.moe_routing)
+    return model
 
 
 def build_hf(

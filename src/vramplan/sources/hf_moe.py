@@ -4,7 +4,8 @@ stated routing policy.
 transformers runs the experts through its ``ExpertsInterface``. Its default on GPUs,
 ``grouped_mm``, computes every (token, chosen expert) row in one grouped matmul, so its
 activations (tokens x top_k rows) are the same whichever experts the router picks.
-``--experts eager`` is transformers' per-expert loop (the only path of transformers 4.x):
+``--experts eager`` is transformers' per-expert loop (the only path of transformers 4.x;
+``--experts linear`` also rebuilds 4.x's per-expert ``nn.Linear`` layers, ``hf_moe_linear``):
 each expert gathers the tokens routed to it, and those counts are data (``nonzero``,
 ``where``) that fake tensors do not have. The loop is re-run with the counts of a policy::
 
@@ -71,7 +72,10 @@ def _eager_experts(routing: str):
 
 
 def experts_name(recipe: Recipe) -> str | None:
-    """The ``experts_implementation`` transformers is given (None: its default)."""
+    """The ``experts_implementation`` transformers is given (None: its default, also for
+    ``linear``, whose blocks replace transformers' experts after the model is built)."""
+    if recipe.experts == "linear":
+        return None
     if recipe.experts == "eager":
         return f"vramplan_eager_{recipe.moe_routing}"
     return recipe.experts
@@ -89,7 +93,7 @@ def moe_note(config, recipe: Recipe, tokens: int) -> str:
     """What the trace assumed about routing, for the Estimate's notes."""
     experts = _experts(config)
     top_k = config.num_experts_per_tok
-    if recipe.experts != "eager":
+    if recipe.experts not in ("eager", "linear"):
         return (
             f"mixture of experts ({experts} experts, top {top_k}): traced as transformers' "
             "grouped_mm, whose activations (tokens x top_k rows) do not depend on which "
@@ -102,9 +106,14 @@ def moe_note(config, recipe: Recipe, tokens: int) -> str:
         if recipe.moe_routing == "balanced"
         else f"all {tokens} tokens go to the same {top_k} experts"
     )
+    layout = (
+        "transformers 4.x's per-expert nn.Linear layers and router, its per-expert loop"
+        if recipe.experts == "linear"
+        else "transformers' per-expert loop"
+    )
     return (
-        f"mixture of experts ({experts} experts, top {top_k}): transformers' per-expert "
-        f"loop, {recipe.moe_routing} routing ({spread}; largest expert load {max(loads)} "
+        f"mixture of experts ({experts} experts, top {top_k}): {layout}, "
+        f"{recipe.moe_routing} routing ({spread}; largest expert load {max(loads)} "
         "tokens per layer); which experts real data picks is not known in advance"
     )
 
