@@ -82,3 +82,55 @@ def test_checkpointed_in_part(tmp_path):
     full, repeated = _both(tmp_path, gqa_llama(10), Fsdp2(WORLD), checkpointing="5")
     note = "repeated blocks: the 10 model.layers blocks are stretches of 5 blocks and 5 blocks"
     _assert_equal(full, repeated, note, 10)
+
+
+@pytest.mark.parametrize(
+    ("kind", "blocks", "knobs", "stretches"),
+    [
+        ("gpt2", 10, {"checkpointing": "every:2", "precision": "amp-bf16"}, "5 units of 2 blocks"),
+        ("llama", 16, {"checkpointing": "every:3"}, "5 units of 3 blocks and 1 block"),
+    ],
+)
+def test_every_nth_block_checkpointed(tmp_path, kind, blocks, knobs, stretches):
+    """``--checkpointing every:N``: units of N blocks (the last one recomputes), and with
+    a tail of plain blocks a second stretch; FSDP2's buffers cross the units as they
+    cross the blocks. The device replay is the full trace's too: reserved to the byte."""
+    config = {**CONFIGS["gpt2"], "n_layer": blocks} if kind == "gpt2" else gqa_llama(blocks)
+    full, repeated = _both(tmp_path, config, Fsdp2(WORLD), **knobs)
+    path = "transformer.h" if kind == "gpt2" else "model.layers"
+    note = f"repeated blocks: the {blocks} {path} blocks are stretches of {stretches}"
+    _assert_equal(full, repeated, note, blocks)
+    assert repeated[0].peak == full[0].peak
+
+
+def test_every_third_block_of_32_is_traced_whole(tmp_path, monkeypatch):
+    """Llama-3-8B's 32 blocks with ``every:3``: 10 units of 3 and 2 plain blocks left over.
+    The short traces (2, 3 and 4 units, each with the 2 left over: 8 + 11 + 14 blocks)
+    would hold more blocks than the model, so one estimate traces every block, and says
+    why, before tracing anything; ``every:2`` (4 + 6 + 8 of 32) is traced short."""
+    from vramplan.trace.repeat import NotRepeatable, repeat_built
+
+    monkeypatch.setattr("vramplan.trace.repeat.SHORTER", 0.6)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(gqa_llama(32)))
+    traced = []
+
+    def short_trace(built, recipe):
+        traced.append(recipe.checkpointing)
+        raise NotRepeatable("stopped here")
+
+    def note_of(checkpointing: str) -> str:
+        recipe = Recipe(batch_size=2, seq_len=32, checkpointing=checkpointing)
+        built = resolve(f"hf:{path}", recipe)
+        trace, note = repeat_built(built, recipe, short_trace, (Fsdp2(WORLD),))
+        assert trace is None
+        return note
+
+    assert note_of("every:3") == (
+        "full trace: 32 model.layers blocks checkpointed in part would take short traces of "
+        "33 blocks in all, more than 60% of them: tracing every block is quicker (plan, "
+        "which shares short traces, repeats them)"
+    )
+    assert traced == []
+    assert note_of("every:2").endswith("do not repeat exactly (stopped here)")
+    assert traced == ["every:2"]

@@ -13,12 +13,16 @@ rendering included, output to a file); the table gives the best and the median o
 shared machine) and the largest resident set (``ru_maxrss`` of that child). It prints
 figures and never fails on time: the targets of issue 14 are printed beside them. With
 ``--before SRC``, each run alternates with one of the package under ``SRC`` (an older
-checkout's ``src``), so both columns see the same machine load.
+checkout's ``src``), so both columns see the same machine load. The load column is the
+one-minute load average after each row. The packages measured are byte-compiled first
+(``compileall``), as an installed package is: with ``PYTHONDONTWRITEBYTECODE`` set, a
+checkout's modules would otherwise be compiled from source in every run.
 """
 
 from __future__ import annotations
 
 import argparse
+import compileall
 import datetime
 import importlib.metadata
 import json
@@ -138,6 +142,12 @@ def run_once(args: list[str], src: str | None = None) -> tuple[float, int, int, 
     return elapsed, child.returncode, usage.ru_maxrss * 1024, usage.ru_utime + usage.ru_stime
 
 
+def byte_compile(src: str | None) -> None:
+    """Write the ``.pyc`` files of the vramplan that ``src`` (or the installed one) imports."""
+    where = Path(_where(src).split(" (")[0]).parent
+    compileall.compile_dir(where, quiet=1)
+
+
 def cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -222,6 +232,8 @@ def main(argv: list[str] | None = None) -> str:
     if options.jobs is not None:
         rows = [_with_jobs(row, options.jobs) for row in rows]
 
+    for src in {None, options.before}:
+        byte_compile(src)
     lines = [
         f"## Whole commands (python -m benchmarks.speed.commands, {options.repeat} runs each)",
         "",
@@ -232,13 +244,13 @@ def main(argv: list[str] | None = None) -> str:
     if options.before:
         lines += [
             "| command | best s | median s | CPU s | before: best s | before: median s "
-            "| before: CPU s | target s | peak RSS MiB | before: RSS MiB | exit |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| before: CPU s | target s | peak RSS MiB | before: RSS MiB | exit | load |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
     else:
         lines += [
-            "| command | best s | median s | CPU s | target s | peak RSS MiB | exit |",
-            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+            "| command | best s | median s | CPU s | target s | peak RSS MiB | exit | load |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
     print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as folder:
@@ -258,7 +270,7 @@ def main(argv: list[str] | None = None) -> str:
             line += f"{target if target is not None else '-'} | {_rss(runs)} | "
             if old:
                 line += f"{_rss(old)} | "
-            line += f"{runs[-1][1]} |"
+            line += f"{runs[-1][1]} | {os.getloadavg()[0]:.1f} |"
             lines.append(line)
             print(line, flush=True)
     text = "\n".join(lines) + "\n"

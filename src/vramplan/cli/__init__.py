@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 
 from vramplan import UserError
 from vramplan.cli.app import app
+from vramplan.collector import paused
 
 EXIT_USER_ERROR = 2
 EXIT_INTERNAL_ERROR = 1
@@ -67,8 +68,9 @@ def unknown_option(name: str, possibilities) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``vramplan`` script. Warnings from the libraries underneath
     (torch, transformers) are held back: after a refusal only the one error line is
-    printed, after an answer each distinct warning is printed once."""
-    with warnings.catch_warnings(record=True) as caught:
+    printed, after an answer each distinct warning is printed once. The cyclic garbage
+    collector is off until the first trace (``collector``)."""
+    with warnings.catch_warnings(record=True) as caught, paused():
         warnings.simplefilter("default")
         code = _run(argv)
     seen = set()

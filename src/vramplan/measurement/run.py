@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from vramplan.collector import resume
 from vramplan.device.catalog import GpuSpec, gpu_from_memory, lookup_gpu
 from vramplan.errors import UserError
 from vramplan.measurement.nvml import NvmlUsed, driver_version, nvml_used
@@ -172,6 +173,7 @@ def measure_built(
 ) -> Measurement:
     """Run ``steps`` real steps of ``built`` on ``device`` and measure them."""
     device = check_device(device, steps)
+    resume()  # the collector runs in a measured step as in the user's
     prepare_model_for(built, recipe)  # dtype and checkpointing, before anything is measured
     if device == "cuda":
         return _measure_cuda(built, recipe, steps, snapshot)

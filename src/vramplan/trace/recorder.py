@@ -20,6 +20,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
+from vramplan.collector import resume
 from vramplan.ops import Library, library_of
 from vramplan.result import Phase
 from vramplan.trace.events import PhaseMark
@@ -143,6 +144,7 @@ class AllocationRecorder(TorchDispatchMode):
 
     def __init__(self, modules: ModuleStack | None = None) -> None:
         super().__init__()
+        resume()  # frees of storages in reference cycles are seen when the collector runs
         self.records: list[StorageRecord] = []
         self.live: dict[int, StorageRecord] = {}
         self.phases: list[PhaseMark] = [PhaseMark(0, Phase.SETUP, 0)]
