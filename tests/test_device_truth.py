@@ -460,3 +460,15 @@ def test_a_batch_the_harvest_did_not_run_gets_its_neighbours_engines_as_the_rang
     )
     ran = conv_workspace(case(128), False, table)
     assert ran.low == ran.central == ran.high == 256 * MiB
+
+
+def test_benchmark_on_without_a_table_warns_that_the_search_may_read_higher(
+    tmp_path, monkeypatch
+):
+    """With the engine model's candidates the first step's search is a lower bound of what
+    cuDNN times; the note says so, and only when some configuration is not measured."""
+    monkeypatch.setenv(MEASURED_DIR_ENV, str(tmp_path))
+    on = _estimate(gpu="a100-40gb", stack="torch2.5-cu12.4", cudnn_benchmark=True)
+    off = _estimate(gpu="a100-40gb", stack="torch2.5-cu12.4")
+    assert any(n.startswith("benchmark on: each configuration's first call") for n in on.notes)
+    assert not any(n.startswith("benchmark on:") for n in off.notes)
