@@ -462,9 +462,7 @@ def test_a_batch_the_harvest_did_not_run_gets_its_neighbours_engines_as_the_rang
     assert ran.low == ran.central == ran.high == 256 * MiB
 
 
-def test_benchmark_on_without_a_table_warns_that_the_search_may_read_higher(
-    tmp_path, monkeypatch
-):
+def test_benchmark_on_without_a_table_warns_that_the_search_may_read_higher(tmp_path, monkeypatch):
     """With the engine model's candidates the first step's search is a lower bound of what
     cuDNN times; the note says so, and only when some configuration is not measured."""
     monkeypatch.setenv(MEASURED_DIR_ENV, str(tmp_path))
