@@ -82,3 +82,16 @@ def test_checkpointed_in_part(tmp_path):
     full, repeated = _both(tmp_path, gqa_llama(10), Fsdp2(WORLD), checkpointing="5")
     note = "repeated blocks: the 10 model.layers blocks are stretches of 5 blocks and 5 blocks"
     _assert_equal(full, repeated, note, 10)
+
+
+def test_held_block_inputs_fall_back_to_the_full_trace(tmp_path):
+    """``hold_block_inputs`` (FSDP1 under reentrant checkpointing) frees every block's held
+    input and gradient together at the end of backward, so the blocks' events do not repeat:
+    the repeated run says so and traces every block, and the hold costs bytes."""
+    engine = Fsdp2(WORLD, hold_block_inputs=True)
+    knobs = {"checkpointing": "full", "precision": "amp-bf16"}
+    full, repeated = _both(tmp_path, CONFIGS["llama"], engine, **knobs)
+    assert any("do not repeat exactly" in n for n in repeated[0].notes)
+    assert repeated[0].peak == full[0].peak
+    plain, _ = _both(tmp_path, CONFIGS["llama"], Fsdp2(WORLD), **knobs)
+    assert full[0].peak.allocated_bytes > plain[0].peak.allocated_bytes
