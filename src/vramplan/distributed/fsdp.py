@@ -236,7 +236,7 @@ def engine_for(layout: ParallelLayout) -> Fsdp2 | None:
 
     >>> from vramplan.distributed.layout import ParallelLayout
     >>> engine_for(ParallelLayout(shard="fsdp", data_parallel=8))
-    Fsdp2(world_size=8, reshard_after_forward=True)
+    Fsdp2(world_size=8, reshard_after_forward=True, hold_block_inputs=False)
     """
     if layout.shard not in ("fsdp", "fsdp-grad-op"):
         return None
