@@ -61,10 +61,14 @@ class Fsdp2:
     forward to backward (ZeRO-2-like, ``--shard grad-op``). With amp precisions the
     blocks are gathered in half precision (``MixedPrecisionPolicy(param_dtype=half,
     reduce_dtype=float32)``) and autocast stays on, as a single-GPU amp script that adds
-    ``fully_shard`` runs."""
+    ``fully_shard`` runs. ``hold_block_inputs`` adds what FSDP1 (``FullyShardedDataParallel``)
+    holds under reentrant checkpointing (``_held_block_inputs``)."""
 
     world_size: int
     reshard_after_forward: bool = True
+    hold_block_inputs: bool = False
+    """Keep every block's input and its gradient until backward ends, as FSDP1 does under
+    reentrant checkpointing (``_held_block_inputs``)."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
@@ -91,15 +95,23 @@ class Fsdp2:
                 model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy
             )
             gathered = f"{half}".replace("torch.", "") if half else "their own dtype"
-            yield [
-                f"FSDP2 traced as rank 0 of {self.world_size} on a fake process group: "
-                f"fully_shard on {len(blocks)} blocks and the root, gathered in {gathered}, "
-                + (
-                    "resharded after forward"
-                    if self.reshard_after_forward
-                    else "kept gathered from forward to backward"
-                )
-            ]
+            hold = self.hold_block_inputs
+            with _held_block_inputs(blocks) if hold else contextlib.nullcontext():
+                yield [
+                    f"FSDP2 traced as rank 0 of {self.world_size} on a fake process group: "
+                    f"fully_shard on {len(blocks)} blocks and the root, gathered in {gathered}, "
+                    + (
+                        "resharded after forward"
+                        if self.reshard_after_forward
+                        else "kept gathered from forward to backward"
+                    )
+                    + (
+                        "; every block's input and its gradient held until backward ends "
+                        "(FSDP1 under reentrant checkpointing)"
+                        if self.hold_block_inputs
+                        else ""
+                    )
+                ]
 
     @contextlib.contextmanager
     def watching(
@@ -122,6 +134,54 @@ class Fsdp2:
 
         if isinstance(model, FSDPModule):
             model._get_fsdp_state()._lazy_init()
+
+
+@contextlib.contextmanager
+def _held_block_inputs(blocks: list[nn.Module]) -> Iterator[None]:
+    """Hold each block's input and the gradient computed for it until backward ends.
+
+    FSDP1 registers its reshard hook for a frozen unit on the unit's forward inputs
+    (``_register_post_backward_reshard_only_hook``: ``register_multi_grad_hook`` keeps the
+    inputs' ``AccumulateGrad`` nodes). Under reentrant checkpointing (transformers 4.x's
+    default) those inputs are the detached leaves ``CheckpointFunction.backward`` recomputes
+    from, which share the checkpointed hidden state's storage and carry its gradient in
+    ``.grad``; the cycle tensor -> hook -> node -> tensor lives until the hooks go, so each
+    block's checkpoint and input gradient outlive its backward. Releasing them when the
+    backward ends is an assumption (FSDP1's final callback)::
+
+        with _held_block_inputs(blocks):
+            loss.backward()   # block inputs and their gradients freed as it returns
+    """
+    held: list[torch.Tensor] = []
+    queued = [False]
+
+    def release() -> None:
+        held.clear()
+        queued[0] = False
+
+    def keep_gradient(grad: torch.Tensor) -> None:
+        if not queued[0]:
+            torch.autograd.Variable._execution_engine.queue_callback(release)
+            queued[0] = True
+        held.append(grad)
+
+    def keep_input(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not torch.is_grad_enabled():
+            return
+        leaves, _ = torch.utils._pytree.tree_flatten((args, kwargs))
+        first = next((t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad), None)
+        if first is None or any(first is t for t in held):  # a recompute of the same input
+            return
+        held.append(first)
+        first.register_hook(keep_gradient)
+
+    handles = [b.register_forward_pre_hook(keep_input, with_kwargs=True) for b in blocks]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        held.clear()
 
 
 def _classify(record: StorageRecord) -> None:
@@ -176,7 +236,7 @@ def engine_for(layout: ParallelLayout) -> Fsdp2 | None:
 
     >>> from vramplan.distributed.layout import ParallelLayout
     >>> engine_for(ParallelLayout(shard="fsdp", data_parallel=8))
-    Fsdp2(world_size=8, reshard_after_forward=True)
+    Fsdp2(world_size=8, reshard_after_forward=True, hold_block_inputs=False)
     """
     if layout.shard not in ("fsdp", "fsdp-grad-op"):
         return None
