@@ -246,6 +246,9 @@ class _Run:
     on_device: DeviceTrace
     outside: object
     result: object
+    requests: list[Request]
+    """The allocator requests of ``on_device`` (built once: the other replays of the
+    estimate read them too)."""
 
     @property
     def reserved(self) -> int:
@@ -271,11 +274,12 @@ def _replays(trace: Trace, options: DeviceOptions, config: AllocatorConfig, usab
         if central is not None and all(
             w.pick(variant) == w.central for w in central.on_device.workspaces.values()
         ):
-            runs[variant] = _Run(central.on_device, outside, central.result)
+            runs[variant] = _Run(central.on_device, outside, central.result, central.requests)
             continue
         on_device = device_trace(trace, gpu, options.cudnn_benchmark, variant, options.measured)
-        result = replay(requests_of(on_device), config, device_free=usable - outside.total)
-        runs[variant] = _Run(on_device, outside, result)
+        requests = requests_of(on_device)
+        result = replay(requests, config, device_free=usable - outside.total)
+        runs[variant] = _Run(on_device, outside, result, requests)
     return runs
 
 
@@ -291,9 +295,7 @@ def order_excess(central: _Run, config: AllocatorConfig, usable: int, late_state
         replay(requests, config, device_free=free).stats.peak_reserved
         for requests in legal_orders(central.on_device, late_state).values()
     ]
-    below = replay(
-        requests_of(central.on_device), config, device_free=free, new_segments_below=True
-    )
+    below = replay(central.requests, config, device_free=free, new_segments_below=True)
     peaks.append(below.stats.peak_reserved)
     return max([0, *(peak - central.reserved for peak in peaks)])
 
@@ -386,7 +388,7 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
     oom = False
     retries = 0
     if options.gpu is not None and job_total > usable:
-        limited = replay(requests_of(on_device), config, capacity=usable - outside.total)
+        limited = replay(central.requests, config, capacity=usable - outside.total)
         oom = limited.oom_at is not None
         retries = limited.stats.num_alloc_retries
         if not oom:
