@@ -290,9 +290,12 @@ class Workbench:
         return self.estimate(recipe).verdict.status == "fits"
 
     def on(self, recipe: Recipe, gpu: GpuSpec) -> Estimate:
-        """The same traced step judged against another card."""
+        """The same traced step judged against another card; on the bench's own card (the
+        same device options), the estimate it was traced with: no second device replay."""
         estimate, trace = self.run(recipe)
         options = replace(self.device, gpu=gpu, profile=profile_for(gpu.name))
+        if options == self.device:
+            return estimate
         tensor_level = estimate_from_trace(trace, estimate.model, recipe, "cuda", list(trace.notes))
         on_card = apply_device(tensor_level, trace, options)
         return on_card if self.finish is None else self.finish(on_card, trace, options)

@@ -14,6 +14,7 @@ modelled step time (``throughput.py``)::
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from vramplan.planner.bench import Workbench
@@ -283,23 +284,64 @@ def _accumulation_trials(recipe: Recipe, changes: dict) -> list[dict]:
 
 
 def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
-    """With checkpointing in ``changes``: the fewest leading blocks to recompute."""
+    """With checkpointing in ``changes``: the fewest leading blocks to recompute. The
+    first round bisects; then memory falls about linearly with the blocks recomputed, so
+    the line through the bracket's ends [does not fit, fits] predicts the boundary, traced
+    with its neighbour where traces run side by side (bisecting again when a round did not
+    halve the bracket, as ``search.py`` does for the batch). Not from no blocks at all:
+    recomputing the first block saves several times what each further one does. The
+    answer is the count that fits with one fewer that does not: the same as bisecting."""
     if changes.get("checkpointing") != "full":
         return changes
     built = bench.built(recipe)  # one meta build tells the block count
     if built.enable_checkpointing is None or not built.blocks:
         return changes
     total = built.blocks
-    low, high = 0, total  # high fits (full); find the smallest count that fits
+    full = bench.estimate(_apply(recipe, changes))
+    points = {total: full.verdict.compared_bytes}
+    low, high, width = 0, total, None  # high fits (full); find the smallest count that fits
     while high - low > 1:
-        counts = _between(low, high, bench.width)
+        halved = width is None or high - low <= width // 2
+        width = high - low
+        guess = _boundary(points, low, high, full.verdict.usable_bytes) if halved else None
+        counts = (
+            _between(low, high, bench.width)
+            if guess is None
+            else _around(guess, low, high, bench.width)
+        )
         trials = [_apply(recipe, {**changes, "checkpointing": str(n)}) for n in counts]
         bench.prefetch(trials)
+        for n, trial in zip(counts, trials, strict=True):
+            points[n] = bench.estimate(trial).verdict.compared_bytes
         fitting = [n for n, trial in zip(counts, trials, strict=True) if bench.fits(trial)]
         # memory falls as more blocks recompute: fits from the first count that fits on
         high = min(fitting, default=high)
         low = max((n for n in counts if n < high), default=low)
     return {**changes, "checkpointing": "full" if high == total else str(high)}
+
+
+def _boundary(points: dict[int, int], low: int, high: int, usable: int) -> int | None:
+    """The fewest recomputed blocks the line through the bracket's ends ``low`` (does not
+    fit) and ``high`` (fits) puts under ``usable``, inside the bracket; None where an end
+    was not traced or the line does not fall.
+
+    >>> _boundary({0: 300, 32: 100}, 0, 32, 150), _boundary({32: 100}, 0, 32, 150)
+    (24, None)
+    """
+    if low not in points or high not in points or points[low] <= points[high]:
+        return None
+    share = (points[low] - usable) / (points[low] - points[high])
+    return min(high - 1, max(low + 1, low + math.ceil(share * (high - low))))
+
+
+def _around(guess: int, low: int, high: int, parts: int) -> list[int]:
+    """The predicted boundary, and where ``parts`` traces run at once the count below it
+    too (the answer fits, one fewer does not), inside the bracket (low, high).
+
+    >>> _around(24, 0, 32, 1), _around(24, 0, 32, 2), _around(31, 30, 32, 2)
+    ([24], [23, 24], [31])
+    """
+    return [n for n in (guess - 1, guess)[-parts:] if low < n < high]
 
 
 def _between(low: int, high: int, parts: int) -> list[int]:

@@ -1,0 +1,80 @@
+"""What ``plan`` reuses or skips gives what the work would: its own card judged by the
+estimates it traced (equal to replaying them again), and the fewest recomputed blocks found
+by a line and bisection (equal to trying every count)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vramplan.device.options import device_options
+from vramplan.device.replay import apply_device
+from vramplan.pipeline import estimate_from_trace
+from vramplan.planner.bench import Workbench
+from vramplan.planner.levers import _selective
+from vramplan.recipe import Recipe
+
+_TINY = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
+
+
+@pytest.fixture
+def tiny_llama(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(_TINY))
+    return f"hf:{path}"
+
+
+def _replayed(bench: Workbench, recipe: Recipe):
+    """The traced step judged on the bench's card again: the tensor-level summary of its
+    trace replayed through the device model (what ``Workbench.on`` did for every card)."""
+    estimate, trace = bench.run(recipe)
+    tensors = estimate_from_trace(trace, estimate.model, recipe, "cuda", list(trace.notes))
+    return apply_device(tensors, trace, bench.device)
+
+
+@pytest.mark.parametrize(
+    "card,status", [("2000MiB", "fits"), ("520MiB", "tight"), ("300MiB", "oom")]
+)
+def test_the_bench_card_is_judged_by_the_traced_estimate(tiny_llama, card, status):
+    bench = Workbench(tiny_llama, device_options(gpu_memory=card))
+    recipe = Recipe(batch_size=2, seq_len=64)
+    traced = bench.traces
+    judged = bench.on(recipe, bench.device.card)
+    again = _replayed(bench, recipe)
+    assert bench.traces == traced + 1
+    assert judged is bench.estimate(recipe)  # no second replay on the same card
+    assert judged.verdict == again.verdict and judged.verdict.status == status
+    assert judged.peak == again.peak
+    assert judged.components == again.components
+
+
+@pytest.fixture
+def llama8(tmp_path):
+    """A tiny Llama of 8 blocks: at batch 4, seq 256, recomputing the first block saves
+    about 40 MiB of the high end the verdict reads, each further one about 6 MiB."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**_TINY, "num_hidden_layers": 8}))
+    return f"hf:{path}"
+
+
+def test_fewest_recomputed_blocks_equal_the_exhaustive_answer(llama8):
+    recipe = Recipe(batch_size=4, seq_len=256)
+    bench = Workbench(llama8, device_options(gpu_memory="941MiB"), shares_short_traces=True)
+    assert bench.estimate(recipe).verdict.status != "fits"
+    chosen = _selective(bench, recipe, {"checkpointing": "full"})
+    searched = bench.traces
+    counts = [*map(str, range(1, 8)), "full"]
+    fewest = next(n for n in counts if bench.fits(recipe.with_changes(checkpointing=n)))
+    assert chosen == {"checkpointing": fewest} == {"checkpointing": "4"}
+    assert searched <= 1 + 1 + 3  # no checkpointing, all, and a bisection's three
