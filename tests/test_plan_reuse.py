@@ -78,3 +78,23 @@ def test_fewest_recomputed_blocks_equal_the_exhaustive_answer(llama8):
     fewest = next(n for n in counts if bench.fits(recipe.with_changes(checkpointing=n)))
     assert chosen == {"checkpointing": fewest} == {"checkpointing": "4"}
     assert searched <= 1 + 1 + 3  # no checkpointing, all, and a bisection's three
+
+
+def test_another_card_is_judged_with_its_own_measured_table(tiny_llama):
+    """The H200 has a bundled table for torch 2.11 + CUDA 13.0; a bench traced for an A100
+    on that stack judges the H200 with it, and a bench on the H200 judges the A100 without."""
+    from vramplan.device.catalog import lookup_gpu
+
+    recipe = Recipe(batch_size=2, seq_len=64)
+    stack = "torch2.11-cu13.0"
+
+    def measured_note(bench: Workbench, card: str) -> bool:
+        notes = bench.on(recipe, lookup_gpu(card)).notes
+        return any(n.startswith("measured figures for") for n in notes)
+
+    assert measured_note(
+        Workbench(tiny_llama, device_options(gpu="a100-80gb", stack=stack)), "h200"
+    )
+    assert not measured_note(
+        Workbench(tiny_llama, device_options(gpu="h200", stack=stack)), "a100-80gb"
+    )

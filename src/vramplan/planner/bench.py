@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vramplan.device.catalog import GpuSpec
+from vramplan.device.measured import measured_for
 from vramplan.device.options import DeviceOptions
 from vramplan.device.profile import profile_for
 from vramplan.device.replay import apply_device
@@ -290,10 +291,16 @@ class Workbench:
         return self.estimate(recipe).verdict.status == "fits"
 
     def on(self, recipe: Recipe, gpu: GpuSpec) -> Estimate:
-        """The same traced step judged against another card; on the bench's own card (the
-        same device options), the estimate it was traced with: no second device replay."""
+        """The same traced step judged against another card (with that card's measured
+        table, if any); on the bench's own card (the same device options), the estimate it
+        was traced with: no second device replay."""
         estimate, trace = self.run(recipe)
-        options = replace(self.device, gpu=gpu, profile=profile_for(gpu.name))
+        options = replace(
+            self.device,
+            gpu=gpu,
+            profile=profile_for(gpu.name),
+            measured=measured_for(gpu.name, self.device.software.slug),
+        )
         if options == self.device:
             return estimate
         tensor_level = estimate_from_trace(trace, estimate.model, recipe, "cuda", list(trace.notes))
