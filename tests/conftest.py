@@ -60,6 +60,17 @@ TINY_LLAMA = {
     "max_position_embeddings": 128,
     "tie_word_embeddings": False,
 }
+PLAN_LLAMA = {  # the plan tests' Llama: two blocks, untied head, 512 positions
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+}
 MID_LLAMA = {  # a 340M-parameter Llama: 131M of it embeddings and head
     **TINY_LLAMA,
     "hidden_size": 2048,

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import PLAN_LLAMA
 
 from vramplan import estimate
 from vramplan.cli import main
@@ -26,21 +27,7 @@ CARD = "1800MiB"
 @pytest.fixture
 def tiny_llama(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "architectures": ["LlamaForCausalLM"],
-                "vocab_size": 512,
-                "hidden_size": 64,
-                "intermediate_size": 128,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 2,
-                "max_position_embeddings": 512,
-            }
-        )
-    )
+    path.write_text(json.dumps(PLAN_LLAMA))
     return f"hf:{path}"
 
 

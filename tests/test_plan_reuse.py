@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import PLAN_LLAMA
 
 from vramplan.device.options import device_options
 from vramplan.device.replay import apply_device
@@ -15,23 +16,11 @@ from vramplan.planner.bench import Workbench
 from vramplan.planner.levers import _selective
 from vramplan.recipe import Recipe
 
-_TINY = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-}
-
 
 @pytest.fixture
 def tiny_llama(tmp_path):
     path = tmp_path / "config.json"
-    path.write_text(json.dumps(_TINY))
+    path.write_text(json.dumps(PLAN_LLAMA))
     return f"hf:{path}"
 
 
@@ -64,7 +53,7 @@ def llama8(tmp_path):
     """A tiny Llama of 8 blocks: at batch 4, seq 256, recomputing the first block saves
     about 40 MiB of the high end the verdict reads, each further one about 6 MiB."""
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({**_TINY, "num_hidden_layers": 8}))
+    path.write_text(json.dumps({**PLAN_LLAMA, "num_hidden_layers": 8}))
     return f"hf:{path}"
 
 
