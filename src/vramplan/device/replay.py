@@ -488,9 +488,8 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
                 "model's candidates are Winograd, FFT and im2col, but measured searches took "
                 "far more (on an H200, ResNet-50 at batch 32 peaked at 7.3 GiB allocated with "
                 "benchmark on, 3.0 GiB with it off), so the first step's max_memory_allocated "
-                "may read well "
-                "above this figure; it cannot cause an OOM (candidates that do not fit are "
-                "skipped) and the cache is emptied after each search"
+                "may read well above this figure; it cannot cause an OOM (candidates that do "
+                "not fit are skipped) and the cache is emptied after each search"
             )
     if retries:
         notes.append(
