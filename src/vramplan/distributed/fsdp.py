@@ -108,7 +108,7 @@ class Fsdp2:
                     + (
                         "; every block's input and its gradient held until backward ends "
                         "(FSDP1 under reentrant checkpointing)"
-                        if self.hold_block_inputs
+                        if hold
                         else ""
                     )
                 ]

@@ -96,9 +96,9 @@ class LinearExpertsBlock(nn.Module):
         return final.reshape(batch, sequence, hidden)
 
 
-def use_linear_experts(model: nn.Module, routing: str) -> int:
-    """Replace every Mixtral ``MixtralSparseMoeBlock`` of ``model`` with 4.48's layout;
-    returns how many were replaced."""
+def use_linear_experts(model: nn.Module, routing: str) -> None:
+    """Replace every Mixtral ``MixtralSparseMoeBlock`` of ``model`` with 4.48's layout (a
+    UserError when it has none)."""
     replaced = 0
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
@@ -112,4 +112,3 @@ def use_linear_experts(model: nn.Module, routing: str) -> int:
             f"--experts linear: {type(model).__name__} has no Mixtral experts block "
             "(only Mixtral's transformers 4.x layout is rebuilt)"
         )
-    return replaced
