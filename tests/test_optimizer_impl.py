@@ -82,3 +82,17 @@ def test_the_emulated_stack_picks_the_default_implementation():
 def test_impossible_implementations_are_refused(knobs, words):
     with pytest.raises(UserError, match=words):
         Recipe(**knobs)
+
+
+@pytest.mark.parametrize("optimizer", ["momentum", "adamw", "lion", "adafactor"])
+def test_a_measured_run_keeps_the_weights_it_started_with(optimizer):
+    # A real run of random weights on synthetic data can diverge; the NaN boxes of a
+    # diverged Faster R-CNN crash RoIAlign's CPU kernel. The measured run steps at
+    # learning rate 0: every kernel and state of the step, no change to a weight.
+    recipe = Recipe(batch_size=2, optimizer=optimizer, input_shape=(WIDTH,))
+    model = _wide_mlp(2)
+    before = [p.detach().clone() for p in model.parameters()]
+    built = module_source(model, recipe, "wide-mlp", copy_to_meta=False)
+    measured = measure_built(built, recipe, "cpu", steps=3)
+    assert measured.allocated_bytes >= 2 * sum(p.numel() * 4 for p in before)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))

@@ -220,36 +220,38 @@ def implementation_note(name: str, impl: str, defaults: dict) -> str | None:
 
 
 def build_optimizer(
-    name: str, params: list[nn.Parameter], defaults: dict, impl: str = "auto"
+    name: str, params: list[nn.Parameter], defaults: dict, impl: str = "auto", lr: float = _LR
 ) -> torch.optim.Optimizer | None:
     """The optimizer for ``name`` over ``params``; ``defaults`` carries device policy flags
-    and ``impl`` the user's implementation choice (``Recipe.optimizer_impl``)."""
+    and ``impl`` the user's implementation choice (``Recipe.optimizer_impl``). The learning
+    rate changes values, never memory: a real measured run passes 0 so that random weights
+    on synthetic data cannot diverge (a NaN box crashes RoIAlign's CPU kernel)."""
     params = [p for p in params if p.requires_grad]
     if name == "none" or not params:
         return None
     foreach = implementation_flags(impl, defaults)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=_LR, **foreach)
+        return torch.optim.SGD(params, lr=lr, **foreach)
     if name == "momentum":
-        return torch.optim.SGD(params, lr=_LR, momentum=0.9, **foreach)
+        return torch.optim.SGD(params, lr=lr, momentum=0.9, **foreach)
     if name == "adam":
-        return torch.optim.Adam(params, lr=_LR, **foreach)
+        return torch.optim.Adam(params, lr=lr, **foreach)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=_LR, weight_decay=0.01, **foreach)
+        return torch.optim.AdamW(params, lr=lr, weight_decay=0.01, **foreach)
     if name == "adagrad":
-        return torch.optim.Adagrad(params, lr=_LR, **foreach)
+        return torch.optim.Adagrad(params, lr=lr, **foreach)
     if name == "rmsprop":
-        return torch.optim.RMSprop(params, lr=_LR, **foreach)  # no fused RMSprop
+        return torch.optim.RMSprop(params, lr=lr, **foreach)  # no fused RMSprop
     if name == "adafactor":
-        return AdafactorModel(params)
+        return AdafactorModel(params, lr=lr)
     if name == "lion":
-        return Lion(params)
+        return Lion(params, lr=lr)
     if name == "adam8bit":
-        return Adam8bitModel(params)
+        return Adam8bitModel(params, lr=lr)
     if name == "paged_adamw_8bit":
-        return Adam8bitModel(params, bits=8, paged=True)
+        return Adam8bitModel(params, lr=lr, bits=8, paged=True)
     if name == "paged_adamw_32bit":
-        return Adam8bitModel(params, bits=32, paged=True)
+        return Adam8bitModel(params, lr=lr, bits=32, paged=True)
     raise ValueError(f"unknown optimizer {name}")
 
 

@@ -115,8 +115,9 @@ def _run(
     optimizer = None
     if recipe.is_training:
         optimizer = built.make_optimizer and built.make_optimizer(params, recipe)
+        # learning rate 0: the same kernels and state, weights that cannot diverge
         optimizer = optimizer or build_optimizer(
-            recipe.optimizer, params, policy.optimizer_defaults(), recipe.optimizer_impl
+            recipe.optimizer, params, policy.optimizer_defaults(), recipe.optimizer_impl, lr=0.0
         )
 
     def autocast():
