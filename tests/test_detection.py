@@ -128,3 +128,60 @@ def test_masks_in_every_target_are_held_through_the_step_as_a_real_step_holds_th
     assert any("--targets-on-gpu masks" in note for note in traced.notes)
     real = measure_built(_faster(masked, "cpu"), masked, "cpu", steps=2).allocated_bytes
     assert traced.peak.allocated_bytes == pytest.approx(real, rel=0.03)
+
+
+def _faster_with_norms(recipe: Recipe, device: str = "meta"):
+    """The tiny Faster R-CNN on a backbone normalised as ImageNet-initialised ones are."""
+    from torchvision.ops import FrozenBatchNorm2d
+
+    from vramplan.sources.detection import hold_norms_in_eval
+
+    with torch.device(device):
+        backbone = nn.Sequential(
+            nn.Conv2d(3, 16, 3, stride=2, padding=1),
+            FrozenBatchNorm2d(16),
+            nn.ReLU(),
+            nn.Conv2d(16, 32, 3, 2, 1),
+            FrozenBatchNorm2d(32),
+        )
+        backbone.out_channels = 32
+        model = FasterRCNN(backbone, **tiny_detector_options())
+    if recipe.backbone_norm == "eval":
+        assert hold_norms_in_eval(model.backbone) == 2
+    return detection_source(model, "tiny-faster-rcnn", recipe)
+
+
+def test_norms_held_in_eval_keep_their_inputs_as_a_real_step_does():
+    """mmdetection holds nn.BatchNorm2d in eval mode (norm_eval): batch_norm's backward
+    reads its input, so autograd keeps it; FrozenBatchNorm2d's multiply-add keeps none."""
+    frozen = RECIPE.with_changes(batch_size=1)
+    held = frozen.with_changes(backbone_norm="eval")
+    peaks = {
+        recipe.backbone_norm: estimate_built(_faster_with_norms(recipe), recipe, target="cpu")
+        for recipe in (frozen, held)
+    }
+    saved = {norm: e.components["activations"] for norm, e in peaks.items()}
+    assert saved["eval"] > saved["frozen"]
+    real = measure_built(_faster_with_norms(held, "cpu"), held, "cpu", steps=2).allocated_bytes
+    assert peaks["eval"].peak.allocated_bytes == pytest.approx(real, rel=0.03)
+
+
+def test_backbone_norm_eval_on_a_torchvision_detector():
+    recipe = RECIPE.with_changes(backbone_norm="eval")
+    built = build_detection("fasterrcnn_resnet50_fpn", recipe)
+    body = built.model.backbone.body.train()
+    norms = {n: m for n, m in body.named_modules() if isinstance(m, nn.BatchNorm2d)}
+    assert len(norms) == 53 and not any(m.training for m in norms.values())
+    # the norms train with their stage: conv1 and layer1 stay frozen (trainable layers 3)
+    trains = {n: m.weight.requires_grad for n, m in norms.items()}
+    assert {n for n, t in trains.items() if not t} == {
+        n for n in norms if n.startswith(("bn1", "layer1"))
+    }
+    assert any("--backbone-norm eval" in note for note in built.notes)
+
+
+def test_unknown_backbone_norm_is_a_user_error():
+    from vramplan.errors import UserError
+
+    with pytest.raises(UserError, match="backbone normalisation"):
+        RECIPE.with_changes(backbone_norm="sync")

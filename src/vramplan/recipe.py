@@ -122,6 +122,10 @@ class Recipe:
     # detection: torchvision < 0.5's AnchorGenerator kept the anchors of every padded batch
     # shape it met (sources/anchor_cache.py)
     anchor_cache: bool = False
+    # detection: the ImageNet-initialised backbone's normalisation, "frozen"
+    # (FrozenBatchNorm2d: torchvision, detectron2) or "eval" (nn.BatchNorm2d held in eval
+    # mode: mmdetection's norm_eval; it keeps its input for backward)
+    backbone_norm: str = "frozen"
     resolution: int | None = None  # diffusion (sources/diffusion.py): image side in pixels
     frames: int | None = None  # video (sources/vision.py): frames per clip
     # diffusion: VAE latents and text states precomputed, or the frozen encoders in the step
@@ -478,12 +482,14 @@ VISION_DEFAULTS = {
     "detection_counts": "max",
     "targets_on_gpu": "model",
     "anchor_cache": False,
+    "backbone_norm": "frozen",
     "resolution": None,
     "frames": None,
     "diffusion_encoders": "precomputed",
 }
 DETECTION_COUNTS = ("max", "min")
 TARGETS_ON_GPU = ("model", "masks")
+BACKBONE_NORMS = ("frozen", "eval")
 DIFFUSION_ENCODERS = ("precomputed", "frozen")
 
 
@@ -502,6 +508,8 @@ def _check_vision(recipe: Recipe) -> None:
     object.__setattr__(recipe, "detection_counts", counts)
     targets = _choice(recipe.targets_on_gpu, TARGETS_ON_GPU, "targets on the GPU")
     object.__setattr__(recipe, "targets_on_gpu", targets)
+    norm = _choice(recipe.backbone_norm, BACKBONE_NORMS, "backbone normalisation")
+    object.__setattr__(recipe, "backbone_norm", norm)
     encoders = _choice(recipe.diffusion_encoders, DIFFUSION_ENCODERS, "diffusion encoders")
     object.__setattr__(recipe, "diffusion_encoders", encoders)
 

@@ -12,6 +12,7 @@ import typer
 from vramplan.cli.app import app
 from vramplan.cli.options import (
     AllocConfOpt,
+    BackboneNormOpt,
     BatchSize,
     BoxesPerImageOpt,
     CheckpointingOpt,
@@ -70,6 +71,7 @@ def measure_command(
     boxes_per_image: BoxesPerImageOpt = 20,
     detection_counts: DetectionCountsOpt = "max",
     targets_on_gpu: TargetsOnGpuOpt = "model",
+    backbone_norm: BackboneNormOpt = "frozen",
     resolution: ResolutionOpt = None,
     frames: FramesOpt = None,
     diffusion_encoders: DiffusionEncodersOpt = "precomputed",

@@ -663,6 +663,16 @@ TargetsOnGpuOpt = Annotated[
     ),
 ]
 
+BackboneNormOpt = Annotated[
+    str,
+    typer.Option(
+        "--backbone-norm",
+        help="Detection: frozen (FrozenBatchNorm2d, as torchvision and detectron2 train an "
+        "ImageNet backbone) | eval (nn.BatchNorm2d held in eval mode, mmdetection's "
+        "norm_eval=True: each keeps its input for backward).",
+    ),
+]
+
 ResolutionOpt = Annotated[
     int | None,
     typer.Option(
@@ -690,6 +700,7 @@ VISION_OPTIONS = (
     "boxes_per_image",
     "detection_counts",
     "targets_on_gpu",
+    "backbone_norm",
     "resolution",
     "frames",
     "diffusion_encoders",

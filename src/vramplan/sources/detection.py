@@ -142,15 +142,70 @@ def build_detection(
     if name not in detection_models():
         raise UserError(f"torchvision:{name} is not a detection model")
     model = _build(name, device, model_options or {})
+    if name not in FROM_SCRATCH and recipe.backbone_norm == "eval":
+        swapped = hold_norms_in_eval(model.backbone)
     built = detection_source(model, f"torchvision:{name}", recipe, image_sizes)
     if name in FROM_SCRATCH:
         built.notes.append("backbone trained from scratch, as torchvision's reference script does")
+    elif recipe.backbone_norm == "eval":
+        built.notes.append(
+            f"backbone from ImageNet weights with its {swapped} norms as nn.BatchNorm2d held in "
+            "eval mode (--backbone-norm eval, mmdetection's norm_eval=True): each keeps its "
+            "input for backward, which FrozenBatchNorm2d does not; their affine parameters "
+            "train where their stage trains (trainable_backbone_layers default); no weights "
+            "loaded"
+        )
     else:
         built.notes.append(
             "backbone laid out as the reference scripts train it from ImageNet weights "
             "(FrozenBatchNorm2d, trainable_backbone_layers default); no weights loaded"
         )
     return built
+
+
+class EvalBatchNorm2d(nn.BatchNorm2d):
+    """``nn.BatchNorm2d`` that stays in eval mode when its model trains, as mmdetection's
+    ResNet holds its norms under ``norm_eval=True``: running statistics, no update, and
+    (unlike ``FrozenBatchNorm2d``'s multiply-add) a ``batch_norm`` whose backward reads
+    its input, so autograd keeps that input.
+
+    >>> norm = EvalBatchNorm2d(4).train()
+    >>> norm.training
+    False
+    """
+
+    def train(self, mode: bool = True) -> EvalBatchNorm2d:
+        return super().train(False)
+
+
+def hold_norms_in_eval(backbone: nn.Module) -> int:
+    """Replace every ``FrozenBatchNorm2d`` of ``backbone`` with an ``EvalBatchNorm2d`` whose
+    affine parameters train when the convolution before it does; the count replaced.
+
+    >>> from torchvision.models.detection.backbone_utils import resnet_fpn_backbone
+    >>> from torchvision.ops import FrozenBatchNorm2d
+    >>> with torch.device("meta"):
+    ...     backbone = resnet_fpn_backbone(backbone_name="resnet18", weights=None,
+    ...                                    norm_layer=FrozenBatchNorm2d, trainable_layers=3)
+    >>> hold_norms_in_eval(backbone)
+    20
+    """
+    from torchvision.ops import FrozenBatchNorm2d
+
+    count = 0
+    for parent in list(backbone.modules()):
+        previous = None
+        for child_name, child in list(parent.named_children()):
+            if isinstance(child, FrozenBatchNorm2d):
+                trains = previous is not None and previous.weight.requires_grad
+                with torch.device(child.weight.device):
+                    norm = EvalBatchNorm2d(child.weight.shape[0], eps=child.eps)
+                norm.requires_grad_(trains)
+                setattr(parent, child_name, norm.train(False))
+                count += 1
+            elif isinstance(getattr(child, "weight", None), nn.Parameter):
+                previous = child
+    return count
 
 
 def detection_source(
