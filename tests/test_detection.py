@@ -185,3 +185,41 @@ def test_unknown_backbone_norm_is_a_user_error():
 
     with pytest.raises(UserError, match="backbone normalisation"):
         RECIPE.with_changes(backbone_norm="sync")
+
+
+def _tiny_retinanet(recipe: Recipe, device: str = "meta"):
+    from torchvision.models.detection import RetinaNet
+
+    from vramplan.sources.focal_loss import use_fused_focal_loss
+
+    with torch.device(device):
+        anchors = AnchorGenerator(((16, 32),), ((0.5, 1.0, 2.0),))
+        model = RetinaNet(
+            tiny_backbone(), 5, min_size=SIZE, max_size=SIZE * 2, anchor_generator=anchors
+        )
+    if recipe.focal_loss == "fused":
+        assert use_fused_focal_loss(model)
+    return detection_source(model, "tiny-retinanet", recipe)
+
+
+def test_a_fused_focal_loss_keeps_less_than_torchvision_s_as_a_real_step_shows():
+    """mmcv's kernel keeps the logits and labels; torchvision's op-by-op loss keeps a
+    one-hot target and its intermediates, each the size of the logits."""
+    ops = RECIPE
+    fused = ops.with_changes(focal_loss="fused")
+    traced = {
+        r.focal_loss: estimate_built(_tiny_retinanet(r), r, target="cpu").peak.allocated_bytes
+        for r in (ops, fused)
+    }
+    logits = 2 * 3 * (SIZE // 4) ** 2 * 5 * 4  # images x anchors x classes, fp32
+    assert traced["ops"] - traced["fused"] >= 2 * logits
+    for recipe in (ops, fused):
+        real = measure_built(_tiny_retinanet(recipe, "cpu"), recipe, "cpu", steps=2)
+        assert traced[recipe.focal_loss] == pytest.approx(real.allocated_bytes, rel=0.03)
+
+
+def test_fused_focal_loss_on_a_model_without_one_is_a_user_error():
+    from vramplan.errors import UserError
+
+    with pytest.raises(UserError, match="no focal loss"):
+        build_detection("fasterrcnn_resnet50_fpn", RECIPE.with_changes(focal_loss="fused"))

@@ -126,6 +126,9 @@ class Recipe:
     # (FrozenBatchNorm2d: torchvision, detectron2) or "eval" (nn.BatchNorm2d held in eval
     # mode: mmdetection's norm_eval; it keeps its input for backward)
     backbone_norm: str = "frozen"
+    # detection (RetinaNet): torchvision's op-by-op focal loss, or one fused kernel as
+    # mmcv's (sources/focal_loss.py)
+    focal_loss: str = "ops"
     resolution: int | None = None  # diffusion (sources/diffusion.py): image side in pixels
     frames: int | None = None  # video (sources/vision.py): frames per clip
     # diffusion: VAE latents and text states precomputed, or the frozen encoders in the step
@@ -483,6 +486,7 @@ VISION_DEFAULTS = {
     "targets_on_gpu": "model",
     "anchor_cache": False,
     "backbone_norm": "frozen",
+    "focal_loss": "ops",
     "resolution": None,
     "frames": None,
     "diffusion_encoders": "precomputed",
@@ -490,6 +494,7 @@ VISION_DEFAULTS = {
 DETECTION_COUNTS = ("max", "min")
 TARGETS_ON_GPU = ("model", "masks")
 BACKBONE_NORMS = ("frozen", "eval")
+FOCAL_LOSSES = ("ops", "fused")
 DIFFUSION_ENCODERS = ("precomputed", "frozen")
 
 
@@ -510,6 +515,8 @@ def _check_vision(recipe: Recipe) -> None:
     object.__setattr__(recipe, "targets_on_gpu", targets)
     norm = _choice(recipe.backbone_norm, BACKBONE_NORMS, "backbone normalisation")
     object.__setattr__(recipe, "backbone_norm", norm)
+    focal = _choice(recipe.focal_loss, FOCAL_LOSSES, "focal loss")
+    object.__setattr__(recipe, "focal_loss", focal)
     encoders = _choice(recipe.diffusion_encoders, DIFFUSION_ENCODERS, "diffusion encoders")
     object.__setattr__(recipe, "diffusion_encoders", encoders)
 

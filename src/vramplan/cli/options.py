@@ -673,6 +673,16 @@ BackboneNormOpt = Annotated[
     ),
 ]
 
+FocalLossOpt = Annotated[
+    str,
+    typer.Option(
+        "--focal-loss",
+        help="Detection (RetinaNet): ops (torchvision's sigmoid_focal_loss, op by op: several "
+        "logits-sized tensors kept for backward) | fused (one kernel, as mmcv's in "
+        "mmdetection: the logits kept).",
+    ),
+]
+
 ResolutionOpt = Annotated[
     int | None,
     typer.Option(
@@ -701,6 +711,7 @@ VISION_OPTIONS = (
     "detection_counts",
     "targets_on_gpu",
     "backbone_norm",
+    "focal_loss",
     "resolution",
     "frames",
     "diffusion_encoders",

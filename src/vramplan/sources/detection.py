@@ -30,6 +30,7 @@ from vramplan.recipe import Recipe
 from vramplan.sources.anchor_cache import hold_cached_anchors
 from vramplan.sources.base import Batch, BuiltModel
 from vramplan.sources.data_dependent import CountPolicy, Ledger, PolicySampler, counted
+from vramplan.sources.focal_loss import use_fused_focal_loss
 
 # The reference scripts train these from scratch (no --weights-backbone).
 FROM_SCRATCH = ("ssdlite320_mobilenet_v3_large",)
@@ -144,6 +145,8 @@ def build_detection(
     model = _build(name, device, model_options or {})
     if name not in FROM_SCRATCH and recipe.backbone_norm == "eval":
         swapped = hold_norms_in_eval(model.backbone)
+    if recipe.focal_loss == "fused" and not use_fused_focal_loss(model):
+        raise UserError(f"--focal-loss fused: torchvision:{name} has no focal loss (RetinaNet has)")
     built = detection_source(model, f"torchvision:{name}", recipe, image_sizes)
     if name in FROM_SCRATCH:
         built.notes.append("backbone trained from scratch, as torchvision's reference script does")
@@ -159,6 +162,12 @@ def build_detection(
         built.notes.append(
             "backbone laid out as the reference scripts train it from ImageNet weights "
             "(FrozenBatchNorm2d, trainable_backbone_layers default); no weights loaded"
+        )
+    if recipe.focal_loss == "fused":
+        built.notes.append(
+            "classification loss as one fused kernel (--focal-loss fused, mmcv's "
+            "SigmoidFocalLossFunction as mmdetection's RetinaNet calls it): the logits and "
+            "labels kept, a per-element loss weighted by the anchors' label weights"
         )
     return built
 
