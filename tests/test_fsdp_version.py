@@ -30,16 +30,22 @@ def llama(tmp_path_factory) -> str:
     return f"hf:{path}"
 
 
+_PEAKS: dict[tuple[str, ...], tuple[int, list[str]]] = {}
+
+
 @pytest.fixture
 def peak(run_cli, llama):
-    """``peak(*flags)``: the allocated peak of one rank of ``--fsdp 2`` (and its notes)."""
+    """``peak(*flags)``: the allocated peak of one rank of ``--fsdp 2`` and its notes (each
+    set of flags traced once in this module)."""
 
     def run(*flags: str) -> tuple[int, list[str]]:
-        args = ("estimate", llama, *STEP, "--fsdp", "2", "--gpu", "a100-80gb", "--json")
-        code, out, err = run_cli(*args, *flags)
-        assert code == 0, err
-        result = json.loads(out)
-        return result["peak"]["allocated_bytes"], result["notes"]
+        if flags not in _PEAKS:
+            args = ("estimate", llama, *STEP, "--fsdp", "2", "--gpu", "a100-80gb", "--json")
+            code, out, err = run_cli(*args, "--full-trace", *flags)
+            assert code == 0, err
+            result = json.loads(out)
+            _PEAKS[flags] = result["peak"]["allocated_bytes"], result["notes"]
+        return _PEAKS[flags]
 
     return run
 
@@ -94,3 +100,15 @@ def test_a_bad_version_is_one_line(run_cli, llama):
     assert err.strip() == "vramplan: error: --fsdp-version must be 1 or 2, got 3"
     code, out, err = run_cli("estimate", llama, "--zero", "2", "--fsdp-version", "1")
     assert code == 2 and len(err.strip().splitlines()) == 1 and "goes with FSDP" in err
+
+
+def test_training_arguments_set_the_version_and_reentrant_checkpointing():
+    from vramplan.configs.training_args import read_training_args
+
+    values = {"gradient_checkpointing": True, "fsdp": "full_shard", "fsdp_config": {}}
+    reentrant = {"gradient_checkpointing_kwargs": {"use_reentrant": True}}
+    config = read_training_args({**values, **reentrant, "fsdp_config": {"version": 1}}, {}, 4)
+    assert config.recipe().reentrant and config.layout().describe() == "fsdp dp=4 fsdp-version=1"
+    unset = read_training_args(values, {}, 4)  # transformers 5's defaults: FSDP2, non-reentrant
+    assert not unset.recipe().reentrant and unset.layout().fsdp_version == 2
+    assert any("give --reentrant" in note for note in unset.notes)

@@ -43,6 +43,7 @@ RECIPE_OPTIONS = (
     "activation_offload",
     "loss_chunks",
     "dora",
+    "reentrant",
 )
 LAYOUT_OPTIONS = tuple(inspect.signature(layout_from_flags).parameters)
 """The parallel-layout flags: the keyword arguments of ``layout_from_flags``."""
