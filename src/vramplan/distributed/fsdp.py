@@ -154,9 +154,14 @@ def fsdp1_held_blocks(model: nn.Module, blocks: list[nn.Module], recipe: Recipe)
     ``torch/distributed/fsdp/_runtime_utils.py`` returns on ``flat_param.requires_grad``),
     and a flat parameter requires grad when any of its parameters does (``_flat_param.py``,
     ``_validate_tensors_to_flatten``). Under LoRA, peft's ``fsdp_auto_wrap_policy`` (which
-    transformers' Trainer installs for a peft model) makes every leaf with a trainable
-    ``weight`` a unit of its own, so a block whose only trainable parameters are adapters
-    is frozen; in full fine-tuning no block is."""
+    transformers' Trainer installs for a peft model: ``update_fsdp_plugin_peft`` in
+    ``transformers/distributed/fsdp.py``, 5.24) makes every leaf with a trainable ``weight``
+    a unit of its own, so a block whose only trainable parameters are adapters is frozen;
+    in full fine-tuning no block is::
+
+        with Fsdp2(2, version=1).applied(model, recipe):   # recipe.reentrant, LoRA
+            ...   # fsdp1_held_blocks(model, blocks, recipe) == every recomputed block
+    """
     if not (recipe.reentrant and recipe.is_training and recipe.checkpointing != "none"):
         return []
     recomputed = chosen_blocks(
