@@ -279,7 +279,12 @@ def test_deepspeed(tmp_path):
 def test_accelerate_fsdp(tmp_path):
     config = read_config(write(tmp_path, "fsdp.yaml", ACCELERATE_FSDP))
     assert config.tool == "accelerate"
-    assert config.options == {"precision": "amp-bf16", "fsdp": 8, "checkpointing": "full"}
+    assert config.options == {
+        "precision": "amp-bf16",
+        "fsdp": 8,
+        "fsdp_version": 2,
+        "checkpointing": "full",
+    }
     assert any(n.startswith("fsdp_config.fsdp_cpu_ram_efficient_loading") for n in config.notes)
     assert "fsdp_config.fsdp_state_dict_type" in config.ignored
     assert any("batch size is set in your script" in n for n in config.notes)

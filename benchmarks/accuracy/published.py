@@ -20,9 +20,9 @@ and optimizers before 2.0 looped per parameter. The 2022 BERT rows also name
 A ``dp=N`` knob runs the row as one rank of N-GPU plain data parallelism (PyTorch's
 DDP: the reducer's gradient buckets, ``distributed/layout.py``), as the model zoos train.
 An ``fsdp=N`` knob traces one rank of N under PyTorch's FSDP2 (``distributed/fsdp.py``,
-``--fsdp N``), the sharding vramplan traces; rows measured under FSDP1 say so in their note.
-``fsdp1=1`` adds what FSDP1 holds under reentrant checkpointing (``Fsdp2.hold_block_inputs``:
-every block's input and its gradient until backward ends).
+``--fsdp N``). ``fsdp_version=1`` is FSDP1 (``--fsdp-version 1``) and ``reentrant=1``
+transformers 4.x's reentrant checkpointing (``--reentrant``): together they add what FSDP1
+holds (``fsdp1_held_blocks``: a frozen block's input and its gradient until backward ends).
 
 The GPUMemNet rows (48-51, 54, 55, 1000-1002) use row 1003, the same setup's measured
 floor (a one-neuron MLP: context, cuBLAS kernels, driver reserve; no cuDNN), as their
@@ -88,6 +88,7 @@ def knobs(text: str) -> dict:
         "additive_mask",
         "compile",
         "anchor_cache",
+        "reentrant",
     )
     found: dict = {}
     for pair in text.split():
@@ -105,9 +106,9 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
     """The estimate of the row's metric, and its [low, high] range (device-level rows)."""
     extra = knobs(row.get("knobs") or "")
     fsdp = extra.pop("fsdp", 0)
-    fsdp1 = extra.pop("fsdp1", 0)
+    version = extra.pop("fsdp_version", 2)
     layout = (
-        ParallelLayout(shard="fsdp", data_parallel=fsdp)
+        ParallelLayout(shard="fsdp", data_parallel=fsdp, fsdp_version=version)
         if fsdp
         else ParallelLayout(data_parallel=extra.pop("dp", 1))
     )
@@ -128,8 +129,6 @@ def estimate_row(row: dict) -> tuple[int, tuple[int, int] | None]:
     options = replace(options, profile=_profile(row, options.gpu, counter))
     built = resolve(row["model"], recipe)
     engine = engine_for(layout)
-    if engine is not None and fsdp1:
-        engine = replace(engine, hold_block_inputs=True)
     estimate = estimate_built(built, recipe, "cuda", options, engine=engine)
     if engine is None and layout != ParallelLayout():
         estimate = per_rank(estimate, layout, facts_of(built))

@@ -162,6 +162,10 @@ class Recipe:
     loss_shift_copy: bool = False
     loss_no_upcast: bool = False
     additive_mask: bool = False
+    # transformers 4.x's gradient checkpointing (no gradient_checkpointing_kwargs): reentrant.
+    # Traced as non-reentrant (the same bytes per block); it decides what FSDP1 holds
+    # (distributed/fsdp.py, fsdp1_held_blocks).
+    reentrant: bool = False
 
     def __post_init__(self) -> None:
         if (
@@ -621,6 +625,7 @@ STORAGE_DEFAULTS = {
     "loss_shift_copy": False,
     "loss_no_upcast": False,
     "additive_mask": False,
+    "reentrant": False,
 }
 
 
@@ -644,6 +649,11 @@ def _check_storage(recipe: Recipe) -> None:
     if recipe.loss_shift_copy and (recipe.loss_chunks or recipe.fused_ce):
         raise UserError(
             "--loss-shift-copy is transformers' own loss; --loss-chunks and --fused-ce replace it"
+        )
+    if recipe.reentrant and recipe.checkpointing == "op":
+        raise UserError(
+            "--reentrant and --checkpointing op: reentrant torch.utils.checkpoint takes no "
+            "op-level policy (context_fn needs use_reentrant=False)"
         )
     if recipe.loss_no_upcast and not recipe.loss_shift_copy:
         raise UserError(

@@ -247,6 +247,14 @@ WorldSizeOpt = Annotated[
 ShardOpt = Annotated[
     str, typer.Option("--shard", help="full | grad-op | none (with --world-size).")
 ]
+FsdpVersionOpt = Annotated[
+    int,
+    typer.Option(
+        "--fsdp-version",
+        help="2: FSDP2 (fully_shard); 1: FSDP1 (FullyShardedDataParallel, accelerate's "
+        "default), traced as FSDP2 plus what FSDP1 holds under --reentrant checkpointing.",
+    ),
+]
 ReshardOpt = Annotated[
     bool,
     typer.Option(
@@ -563,12 +571,22 @@ AdditiveMaskOpt = Annotated[
         "even for a batch without one and added to the scores in the weights' dtype.",
     ),
 ]
+ReentrantOpt = Annotated[
+    bool,
+    typer.Option(
+        "--reentrant",
+        help="With --checkpointing: blocks recompute through reentrant torch.utils.checkpoint "
+        "(transformers 4.x's gradient_checkpointing without gradient_checkpointing_kwargs); "
+        "the same bytes, except what --fsdp-version 1 holds.",
+    ),
+]
 STORAGE_OPTIONS = OptionGroup.of(
     weights_dtype=(WeightsDtypeOpt, None),
     keep_fp32=(KeepFp32Opt, None),
     loss_shift_copy=(LossShiftCopyOpt, False),
     loss_no_upcast=(LossNoUpcastOpt, False),
     additive_mask=(AdditiveMaskOpt, False),
+    reentrant=(ReentrantOpt, False),
 )
 FINETUNING = (FINETUNE_OPTIONS, TRICK_OPTIONS, STORAGE_OPTIONS)
 """What every command that traces a fine-tuning step takes: ``@with_options(*FINETUNING)``."""
@@ -778,6 +796,7 @@ LAYOUT_OPTIONS = (
     "sp",
     "pp",
     "microbatches",
+    "fsdp_version",
 )
 
 

@@ -6,7 +6,7 @@ mixed precision, and its FSDP or DeepSpeed settings. The batch size lives in the
     ...     "fsdp_config": {"fsdp_sharding_strategy": "FULL_SHARD"}})
     >>> read_accelerate(fields)
     >>> fields.options
-    {'precision': 'amp-bf16', 'fsdp': 8}
+    {'precision': 'amp-bf16', 'fsdp': 8, 'fsdp_version': 1}
 """
 
 from __future__ import annotations
@@ -64,8 +64,21 @@ def _fsdp(fields: Fields, processes: int) -> None:
     else:
         fields.honour("fsdp_config.fsdp_sharding_strategy", "world_size", processes)
         fields.honour("fsdp_config.fsdp_sharding_strategy", "shard", mode)
+    if mode != "none":
+        _fsdp_version(fields)
     if fields.get("fsdp_config.fsdp_activation_checkpointing") is True:
         fields.honour("fsdp_config.fsdp_activation_checkpointing", "checkpointing", "full")
+
+
+def _fsdp_version(fields: Fields) -> None:
+    """``fsdp_config.fsdp_version``: 2 is FSDP2; 1, or none given, FSDP1, accelerate's
+    default (1.15: ``accelerate launch --fsdp_version`` defaults to "1", exported as
+    ``FSDP_VERSION``, and ``FullyShardedDataParallelPlugin`` reads ``FSDP_VERSION`` or "1")."""
+    version = fields.get("fsdp_config.fsdp_version", 1)
+    if str(version) not in ("1", "2"):
+        raise UserError(f"fsdp_config.fsdp_version must be 1 or 2, got {version!r}")
+    why = "" if fields.has("fsdp_config.fsdp_version") else "absent: accelerate's default"
+    fields.honour("fsdp_config.fsdp_version", "fsdp_version", int(version), why)
 
 
 def _deepspeed(fields: Fields, processes: int) -> None:

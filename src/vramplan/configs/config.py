@@ -43,6 +43,7 @@ RECIPE_OPTIONS = (
     "activation_offload",
     "loss_chunks",
     "dora",
+    "reentrant",
 )
 LAYOUT_OPTIONS = tuple(inspect.signature(layout_from_flags).parameters)
 """The parallel-layout flags: the keyword arguments of ``layout_from_flags``."""
@@ -85,6 +86,8 @@ class TrainingConfig:
         if any(name in flags for name in SHARDINGS):
             for name in (*SHARDINGS, *SHARDING_DETAILS):
                 options.pop(name, None)
+        if "zero" in flags:  # the FSDP version stays with --fsdp N or --world-size N
+            options.pop("fsdp_version", None)
         model = flags.pop("model", None) or self.model
         changed = tuple(
             f"--{name.replace('_', '-')}"

@@ -77,6 +77,23 @@ def _compile(fields: Fields, autocast: bool) -> None:
     )
 
 
+def _reentrant(fields: Fields, path: str) -> None:
+    """``use_reentrant`` in the checkpointing kwargs: True is ``--reentrant``. Unset is the
+    reading transformers' default, non-reentrant in 5 (``{"use_reentrant": False}``);
+    transformers 4.x's ``gradient_checkpointing_enable`` defaulted to reentrant."""
+    for kwargs in (f"{path}_kwargs", "gradient_checkpointing_kwargs"):
+        key = f"{kwargs}.use_reentrant"
+        if fields.has(key):
+            if fields.get(key) is True:
+                fields.honour(key, "reentrant", True, "reentrant torch.utils.checkpoint")
+            return
+    if fields.peek("fsdp"):  # what FSDP1 holds depends on it
+        fields.notes.append(
+            f"{path}: non-reentrant, transformers 5's default (4.x checkpointed reentrantly "
+            "without gradient_checkpointing_kwargs: give --reentrant for it)"
+        )
+
+
 def _fsdp(fields: Fields, world_size: int) -> None:
     value = fields.get("fsdp")
     if not value:
@@ -91,6 +108,11 @@ def _fsdp(fields: Fields, world_size: int) -> None:
         fields.honour("fsdp", "shard", "grad-op")
     else:
         fields.honour("fsdp", "fsdp", world_size, "FSDP over the processes")
+    version = fields.get("fsdp_config.version")
+    if version is not None:  # unset: transformers 5's TrainingArguments runs FSDP2
+        if str(version) not in ("1", "2"):
+            raise UserError(f"fsdp_config.version must be 1 or 2, got {version!r}")
+        fields.honour("fsdp_config.version", "fsdp_version", int(version))
     if fields.get("fsdp_config.activation_checkpointing") is True:
         fields.honour("fsdp_config.activation_checkpointing", "checkpointing", "full")
 
@@ -118,6 +140,7 @@ def read_training_args(
         if fields.get(path):
             fields.honour(path, "checkpointing", "full")
             fields.get("gradient_checkpointing")
+            _reentrant(fields, path)
             break
     name = fields.get("optim", "adamw_torch")
     optimizer, why = hf_optimizer(getattr(name, "value", name))

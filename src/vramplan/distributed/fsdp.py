@@ -27,7 +27,7 @@ from vramplan.distributed.layout import STATES, ParallelLayout
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Estimate
-from vramplan.sources.blocks import repeated_blocks
+from vramplan.sources.blocks import chosen_blocks, repeated_blocks
 from vramplan.trace.recorder import AllocationRecorder, StorageRecord
 
 _HALF = {"amp-bf16": torch.bfloat16, "amp-fp16": torch.float16}
@@ -61,18 +61,23 @@ class Fsdp2:
     forward to backward (ZeRO-2-like, ``--shard grad-op``). With amp precisions the
     blocks are gathered in half precision (``MixedPrecisionPolicy(param_dtype=half,
     reduce_dtype=float32)``) and autocast stays on, as a single-GPU amp script that adds
-    ``fully_shard`` runs. ``hold_block_inputs`` adds what FSDP1 (``FullyShardedDataParallel``)
-    holds under reentrant checkpointing (``_held_block_inputs``)."""
+    ``fully_shard`` runs. ``version=1`` is FSDP1 (``FullyShardedDataParallel``) as the same
+    per-parameter shards plus what FSDP1 holds under reentrant checkpointing
+    (``fsdp1_held_blocks``); ``hold_block_inputs`` holds for every block."""
 
     world_size: int
     reshard_after_forward: bool = True
+    version: int = 2
+    """2: FSDP2; 1: FSDP1, traced as FSDP2 plus ``fsdp1_held_blocks``."""
     hold_block_inputs: bool = False
     """Keep every block's input and its gradient until backward ends, as FSDP1 does under
-    reentrant checkpointing (``_held_block_inputs``)."""
+    reentrant checkpointing (``_held_block_inputs``), whatever the recipe."""
 
     def __post_init__(self) -> None:
         if self.world_size < 1:
             raise UserError(f"FSDP world size must be at least 1, got {self.world_size}")
+        if self.version not in (1, 2):
+            raise UserError(f"--fsdp-version must be 1 or 2, got {self.version}")
 
     @contextlib.contextmanager
     def applied(self, model: nn.Module, recipe: Recipe) -> Iterator[list[str]]:
@@ -95,8 +100,10 @@ class Fsdp2:
                 model, mesh=mesh, reshard_after_forward=self.reshard_after_forward, mp_policy=policy
             )
             gathered = f"{half}".replace("torch.", "") if half else "their own dtype"
-            hold = self.hold_block_inputs
-            with _held_block_inputs(blocks) if hold else contextlib.nullcontext():
+            held = blocks if self.hold_block_inputs else []
+            if self.version == 1 and not held:
+                held = fsdp1_held_blocks(model, blocks, recipe)
+            with _held_block_inputs(held) if held else contextlib.nullcontext():
                 yield [
                     f"FSDP2 traced as rank 0 of {self.world_size} on a fake process group: "
                     f"fully_shard on {len(blocks)} blocks and the root, gathered in {gathered}, "
@@ -106,11 +113,12 @@ class Fsdp2:
                         else "kept gathered from forward to backward"
                     )
                     + (
-                        "; every block's input and its gradient held until backward ends "
-                        "(FSDP1 under reentrant checkpointing)"
-                        if hold
+                        f"; {len(held)} blocks' inputs and their gradients held until backward "
+                        "ends (FSDP1 under reentrant checkpointing)"
+                        if held
                         else ""
-                    )
+                    ),
+                    *([fsdp1_note(recipe, len(held))] if self.version == 1 else []),
                 ]
 
     @contextlib.contextmanager
@@ -134,6 +142,66 @@ class Fsdp2:
 
         if isinstance(model, FSDPModule):
             model._get_fsdp_state()._lazy_init()
+
+
+def fsdp1_held_blocks(model: nn.Module, blocks: list[nn.Module], recipe: Recipe) -> list:
+    """Of FSDP's ``blocks``, those whose input FSDP1 holds to the end of backward: blocks
+    that recompute through reentrant checkpointing (``recipe.reentrant``) and whose own
+    FSDP1 unit is frozen.
+
+    FSDP1 registers the reshard-only hook only for a flat parameter that does not require
+    grad (``_register_post_backward_reshard_only_hook`` in
+    ``torch/distributed/fsdp/_runtime_utils.py`` returns on ``flat_param.requires_grad``),
+    and a flat parameter requires grad when any of its parameters does (``_flat_param.py``,
+    ``_validate_tensors_to_flatten``). Under LoRA, peft's ``fsdp_auto_wrap_policy`` (which
+    transformers' Trainer installs for a peft model: ``update_fsdp_plugin_peft`` in
+    ``transformers/distributed/fsdp.py``, 5.24) makes every leaf with a trainable ``weight``
+    a unit of its own, so a block whose only trainable parameters are adapters is frozen;
+    in full fine-tuning no block is::
+
+        with Fsdp2(2, version=1).applied(model, recipe):   # recipe.reentrant, LoRA
+            ...   # fsdp1_held_blocks(model, blocks, recipe) == every recomputed block
+    """
+    if not (recipe.reentrant and recipe.is_training and recipe.checkpointing != "none"):
+        return []
+    recomputed = chosen_blocks(
+        repeated_blocks(model), recipe.checkpoint_blocks, recipe.checkpoint_every
+    )
+    ids = {id(b) for b in recomputed}
+    return [b for b in blocks if id(b) in ids and _frozen_unit(b, peft_units=recipe.lora_rank > 0)]
+
+
+def _frozen_unit(block: nn.Module, peft_units: bool) -> bool:
+    """Whether ``block``'s FSDP1 flat parameter is frozen: none of its parameters requires
+    grad, leaving out (with ``peft_units``) leaves with a trainable ``weight``, which peft's
+    wrap policy (``peft/utils/other.py``, ``lambda_policy_fn``) wraps on their own."""
+    own = {id(p) for p in block.parameters()}
+    if peft_units:
+        for module in block.modules():
+            weight = getattr(module, "weight", None)
+            leaf = next(module.children(), None) is None
+            if leaf and isinstance(weight, torch.Tensor) and weight.requires_grad:
+                own -= {id(p) for p in module.parameters()}
+    return not any(p.requires_grad for p in block.parameters() if id(p) in own)
+
+
+def fsdp1_note(recipe: Recipe, held: int) -> str:
+    """What ``--fsdp-version 1`` adds to the FSDP2 trace, and what it leaves as FSDP2's."""
+    if held:
+        what = (
+            f"{held} frozen blocks recomputed by reentrant checkpointing keep their input and "
+            "its gradient until backward ends (FSDP1's reshard-only hook)"
+        )
+    else:
+        what = "nothing held: FSDP1 keeps a block's input only for a frozen unit " + (
+            "and reentrant checkpointing (--reentrant)" if not recipe.reentrant else "(none here)"
+        )
+    return (
+        f"FSDP1: {what}; its flat parameters traced as FSDP2's per-parameter shards (the "
+        "same bytes per rank up to padding: FSDP1 pads each flat parameter to a multiple of "
+        "the world size, FSDP2 each parameter's first dimension); its all-gathers "
+        "(limit_all_gathers: two in flight at most) and mixed-precision copies traced as FSDP2's"
+    )
 
 
 @contextlib.contextmanager
@@ -235,14 +303,18 @@ def engine_for(layout: ParallelLayout) -> Fsdp2 | None:
     parallelism (with tensor or pipeline parallelism the layout formulas apply).
 
     >>> from vramplan.distributed.layout import ParallelLayout
-    >>> engine_for(ParallelLayout(shard="fsdp", data_parallel=8))
-    Fsdp2(world_size=8, reshard_after_forward=True, hold_block_inputs=False)
+    >>> engine_for(ParallelLayout(shard="fsdp", data_parallel=8, fsdp_version=1))
+    Fsdp2(world_size=8, reshard_after_forward=True, version=1, hold_block_inputs=False)
     """
     if layout.shard not in ("fsdp", "fsdp-grad-op"):
         return None
     if layout.tensor_parallel > 1 or layout.pipeline_parallel > 1:
         return None
-    return Fsdp2(layout.data_parallel, reshard_after_forward=layout.shard == "fsdp")
+    return Fsdp2(
+        layout.data_parallel,
+        reshard_after_forward=layout.shard == "fsdp",
+        version=layout.fsdp_version,
+    )
 
 
 def with_traced_layout(est: Estimate, layout: ParallelLayout) -> Estimate:

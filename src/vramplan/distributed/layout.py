@@ -57,10 +57,20 @@ class ParallelLayout:
     microbatches: int = 1
     offload_optimizer: bool = False
     offload_params: bool = False
+    fsdp_version: int = 2
+    """PyTorch's FSDP2 (``fully_shard``) or FSDP1 (``FullyShardedDataParallel``), with
+    ``shard="fsdp"`` or ``"fsdp-grad-op"`` (``distributed/fsdp.py``)."""
 
     def __post_init__(self) -> None:
         if self.shard not in SHARDS:
             raise UserError(f"unknown sharding {self.shard!r}; choose {', '.join(SHARDS)}")
+        if self.fsdp_version not in (1, 2):
+            raise UserError(f"--fsdp-version must be 1 or 2, got {self.fsdp_version}")
+        if self.fsdp_version == 1 and not self.shard.startswith("fsdp"):
+            raise UserError(
+                "--fsdp-version 1 goes with FSDP sharding: --fsdp N, or --world-size N "
+                "--shard full|grad-op"
+            )
         for name in ("data_parallel", "tensor_parallel", "pipeline_parallel", "microbatches"):
             if getattr(self, name) < 1:
                 raise UserError(f"{name.replace('_', ' ')} must be at least 1")
@@ -73,6 +83,8 @@ class ParallelLayout:
 
     def describe(self) -> str:
         parts = [self.shard if self.shard != "none" else "ddp", f"dp={self.data_parallel}"]
+        if self.fsdp_version == 1:
+            parts.append("fsdp-version=1")
         if self.tensor_parallel > 1:
             parts.append(f"tp={self.tensor_parallel}" + ("+sp" if self.sequence_parallel else ""))
         if self.pipeline_parallel > 1:

@@ -2,6 +2,8 @@
 
 >>> layout_from_flags(fsdp=8).describe()
 'fsdp dp=8'
+>>> layout_from_flags(fsdp=2, fsdp_version=1).describe()
+'fsdp dp=2 fsdp-version=1'
 >>> layout_from_flags(zero=2, dp=4, offload_optimizer=True).describe()
 'zero2 dp=4 offload-optimizer'
 """
@@ -26,6 +28,7 @@ def layout_from_flags(
     sp: bool = False,
     pp: int = 1,
     microbatches: int = 1,
+    fsdp_version: int = 2,
 ) -> ParallelLayout:
     """The layout the flags ask for; ``ParallelLayout()`` (one GPU) when they ask for none."""
     chosen = [
@@ -64,4 +67,5 @@ def layout_from_flags(
         microbatches=microbatches,
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,
+        fsdp_version=fsdp_version,
     )
