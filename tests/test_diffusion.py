@@ -65,3 +65,9 @@ def test_a_config_of_another_class_is_refused(tmp_path):
     path.write_text(json.dumps({"_class_name": "AutoencoderKL"}))
     with pytest.raises(UserError, match="UNet2DConditionModel or DiTTransformer2DModel"):
         resolve(f"diffusers:{path}", Recipe())
+
+
+def test_num_classes_is_refused_rather_than_ignored(configs):
+    # a UNet has no classifier head: --num-classes was read by nothing
+    with pytest.raises(UserError, match="--num-classes: a diffusion model has no classifier"):
+        resolve(f"diffusers:{configs['unet']}", Recipe(num_classes=10))

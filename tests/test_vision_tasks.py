@@ -37,3 +37,32 @@ def test_every_torchvision_model_has_its_task_and_other_families_are_explained()
         resolve("torchvision:raft_small", Recipe())
     with pytest.raises(UserError, match="quantized model"):
         resolve("torchvision:quantized_resnet18", Recipe())
+
+
+@pytest.mark.parametrize(
+    ("spec", "option", "message"),
+    [
+        ("torchvision:resnet18", {"frames": 4}, "--frames applies to video models"),
+        ("torchvision:resnet18", {"boxes_per_image": 3}, "--boxes-per-image applies to detection"),
+        ("torchvision:r3d_18", {"detection_counts": "min"}, "--detection-counts applies to"),
+        ("torchvision:lraspp_mobilenet_v3_large", {"targets_on_gpu": "masks"}, "--targets-on"),
+        ("torchvision:r3d_18", {"resolution": 256}, "--resolution applies to diffusers models"),
+        ("torchvision:resnet18", {"diffusion_encoders": "frozen"}, "--diffusion-encoders"),
+    ],
+)
+def test_a_task_option_on_a_model_of_another_kind_is_refused(spec, option, message):
+    # each was read by nothing: the estimate went on without it and did not say so
+    with pytest.raises(UserError, match=message):
+        resolve(spec, Recipe(**option))
+
+
+def test_num_classes_sizes_the_heads_of_video_and_detection_models():
+    video = resolve("torchvision:r3d_18", Recipe(num_classes=10)).model
+    assert video.fc.out_features == 10
+    mask_rcnn = resolve("torchvision:maskrcnn_resnet50_fpn", Recipe(num_classes=5)).model
+    assert mask_rcnn.roi_heads.box_predictor.cls_score.out_features == 5
+    assert mask_rcnn.roi_heads.mask_predictor.mask_fcn_logits.out_channels == 5
+    retina = resolve("torchvision:retinanet_resnet101_fpn", Recipe(num_classes=3)).model
+    assert retina.head.classification_head.num_classes == 3
+    with pytest.raises(UserError, match="at least 2"):
+        resolve("torchvision:fasterrcnn_resnet50_fpn", Recipe(num_classes=1))

@@ -64,7 +64,8 @@ def _resnet101_variant(name: str, options: dict) -> nn.Module:
 
     trunk = resnet101(weights=None, norm_layer=FrozenBatchNorm2d)
     kind = RESNET101_VARIANTS[name]
-    classes = 2 if kind == "KeypointRCNN" else 91
+    options = dict(options)
+    classes = options.pop("num_classes", 2 if kind == "KeypointRCNN" else 91)
     if kind == "RetinaNet":  # as retinanet_resnet50_fpn: P3-P5, P6/P7 from P5
         backbone = _resnet_fpn_extractor(
             trunk, 3, returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256)
@@ -141,7 +142,15 @@ def build_detection(
     (``min_size``, ``rpn_post_nms_top_n_train``, ``box_batch_size_per_image``, ...)."""
     if name not in detection_models():
         raise UserError(f"torchvision:{name} is not a detection model")
-    model = _build(name, device, model_options or {})
+    options = dict(model_options or {})
+    if recipe.num_classes is not None:
+        if recipe.num_classes < 2:  # labels are 1..N-1; 0 is the background
+            raise UserError(
+                f"--num-classes {recipe.num_classes}: a detection model's classes count the "
+                "background (class 0), so at least 2"
+            )
+        options.setdefault("num_classes", recipe.num_classes)
+    model = _build(name, device, options)
     built = detection_source(model, f"torchvision:{name}", recipe, image_sizes)
     if name in FROM_SCRATCH:
         built.notes.append("backbone trained from scratch, as torchvision's reference script does")

@@ -83,6 +83,11 @@ def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltMod
 
     diffusers = require_package("diffusers", "diffusion")
     config = _config(name)
+    if recipe.num_classes is not None:
+        raise UserError(
+            "--num-classes: a diffusion model has no classifier head (a DiT's class labels "
+            "are its config's num_embeds_ada_norm)"
+        )
     kind = config["_class_name"]
     kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
     try:

@@ -202,8 +202,9 @@ def _video(torchvision, name: str, recipe: Recipe, device: str) -> BuiltModel:
         raise UserError(f"video models take --input-shape CxTxHxW, got {shape}")
     elif recipe.frames is not None:
         shape = (shape[0], recipe.frames, *shape[2:])
+    classes = {} if recipe.num_classes is None else {"num_classes": recipe.num_classes}
     with torch.device(device):
-        model = torchvision.models.get_model(name, weights=None)
+        model = torchvision.models.get_model(name, weights=None, **classes)
     built = image_classifier(f"torchvision:{name}", type(model).__name__, model, shape)
     built.kind = "video"
     built.input_hint = "check --input-shape (CxTxHxW) / --frames"
