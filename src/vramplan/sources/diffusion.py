@@ -89,22 +89,23 @@ def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltMod
             "are its config's num_embeds_ada_norm)"
         )
     kind = config["_class_name"]
+    latents = _latent_shape(recipe, config)  # before the build: a bad size fails at once
+    tokens = recipe.seq_len or TEXT_TOKENS
+    unet = kind == "UNet2DConditionModel"
+    frozen = recipe.diffusion_encoders == "frozen"
+    if frozen and (not unet or config.get("addition_embed_type") == "text_time"):
+        raise UserError(
+            "--diffusion-encoders frozen: the frozen VAE and CLIP text encoder are traced "
+            "for Stable Diffusion 1.x/2.x UNets (SDXL's and DiT's training scripts "
+            "precompute their embeddings)"
+        )
     kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
     try:
         with torch.device(device):
             model = getattr(diffusers, kind)(**kwargs)
     except (TypeError, ValueError) as exc:
         raise UserError(f"diffusers model {name!r} cannot be built: {exc}") from None
-    latents = _latent_shape(recipe, config)
-    tokens = recipe.seq_len or TEXT_TOKENS
-    unet = kind == "UNet2DConditionModel"
-    if recipe.diffusion_encoders == "frozen":
-        if not unet or config.get("addition_embed_type") == "text_time":
-            raise UserError(
-                "--diffusion-encoders frozen: the frozen VAE and CLIP text encoder are traced "
-                "for Stable Diffusion 1.x/2.x UNets (SDXL's and DiT's training scripts "
-                "precompute their embeddings)"
-            )
+    if frozen:
         return _with_frozen_encoders(name, model, recipe, latents, tokens, device)
 
     def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:
