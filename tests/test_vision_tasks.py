@@ -66,3 +66,12 @@ def test_num_classes_sizes_the_heads_of_video_and_detection_models():
     assert retina.head.classification_head.num_classes == 3
     with pytest.raises(UserError, match="at least 2"):
         resolve("torchvision:fasterrcnn_resnet50_fpn", Recipe(num_classes=1))
+
+
+def test_mvit_takes_only_the_clip_size_its_builder_lays_out():
+    # torchvision's mvit_v2_s fixes temporal_size=16, spatial_size=(224, 224): 4 frames
+    # failed inside the trace ("shape '[1, 96, 8, 56, 56]' is invalid for input of size ...")
+    with pytest.raises(UserError, match="exactly 16 frames of 224x224"):
+        resolve("torchvision:mvit_v2_s", Recipe(frames=4))
+    assert resolve("torchvision:mvit_v2_s", Recipe()).default_input_shape == (3, 16, 224, 224)
+    assert resolve("torchvision:swin3d_t", Recipe(frames=4)).default_input_shape[1] == 4
