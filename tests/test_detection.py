@@ -13,6 +13,9 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from vramplan.device.options import device_options
+from vramplan.distributed.fsdp import Fsdp2
+from vramplan.errors import UserError
 from vramplan.measurement.run import measure_built
 from vramplan.pipeline import estimate_built
 from vramplan.recipe import Recipe
@@ -149,3 +152,13 @@ def test_masks_in_every_target_are_held_through_the_step_as_a_real_step_holds_th
     assert any("--targets-on-gpu masks" in note for note in traced.notes)
     real = measure_built(_faster(masked, "cpu"), masked, "cpu", steps=2).allocated_bytes
     assert traced.peak.allocated_bytes == pytest.approx(real, rel=0.03)
+
+
+def test_fsdp_in_bf16_names_the_cast_of_the_targets():
+    """FSDP2's MixedPrecisionPolicy casts the targets' boxes to bf16 with the images, and
+    torchvision's RoI heads refuse them (a real step fails alike); the error said to check
+    --input-shape and --boxes-per-image."""
+    recipe = RECIPE.with_changes(batch_size=1, precision="amp-bf16")
+    device = device_options(gpu="h100", data_parallel=2)
+    with pytest.raises(UserError, match="casts every floating-point input to bfloat16"):
+        estimate_built(_built(recipe), recipe, "cuda", device, engine=Fsdp2(2))

@@ -206,7 +206,10 @@ def detection_source(
         with counted(ledger):
             if not training:
                 return module(images)
-            losses = module(images, targets)
+            try:
+                losses = module(images, targets)
+            except TypeError as exc:
+                raise _explained(exc, name) from None
         return sum(losses.values())
 
     notes = [policy.note(), f"{boxes} ground-truth boxes per image (--boxes-per-image)"]
@@ -229,6 +232,21 @@ def detection_source(
         default_input_shape=default,
         notes=notes,
         input_hint="check --input-shape (CxHxW) and --boxes-per-image",
+    )
+
+
+def _explained(exc: TypeError, name: str) -> Exception:
+    """Say why a target reached torchvision's heads in bfloat16: FSDP2's mixed precision
+    (``MixedPrecisionPolicy.cast_forward_inputs``) casts every floating-point input to
+    ``param_dtype``, the targets' boxes too, and ``RoIHeads.check_targets`` takes float32,
+    float64 and float16 boxes only."""
+    if "must of float type, instead got torch.bfloat16" not in str(exc):
+        return exc
+    return UserError(
+        f"{name} under FSDP2 in bf16: fully_shard's MixedPrecisionPolicy casts every "
+        "floating-point input to bfloat16, the targets' boxes too (cast_forward_inputs), and "
+        "torchvision's heads refuse bfloat16 boxes, so a real step fails the same way "
+        f"({exc})"
     )
 
 
