@@ -75,3 +75,11 @@ def test_mvit_takes_only_the_clip_size_its_builder_lays_out():
         resolve("torchvision:mvit_v2_s", Recipe(frames=4))
     assert resolve("torchvision:mvit_v2_s", Recipe()).default_input_shape == (3, 16, 224, 224)
     assert resolve("torchvision:swin3d_t", Recipe(frames=4)).default_input_shape[1] == 4
+
+
+def test_a_batch_norm_over_one_value_says_to_raise_the_batch():
+    # DeepLabV3's ASPP pools each image to 1x1 before a BatchNorm: batch 1 fails in a real
+    # step too; the error said to check --input-shape / --seq-len
+    recipe = Recipe(batch_size=1, input_shape=(3, 64, 64), optimizer="sgd")
+    with pytest.raises(UserError, match="raise --batch-size"):
+        estimate_built(resolve("torchvision:deeplabv3_mobilenet_v3_large", recipe), recipe)
