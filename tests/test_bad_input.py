@@ -515,6 +515,26 @@ case(
 case(
     "estimate-video-shape", ["estimate", "torchvision:r3d_18", "--input-shape", "3x8x8"], "CxTxHxW"
 )
+case(
+    "estimate-frames-on-image",
+    ["estimate", "torchvision:resnet18", "--frames", "4"],
+    "--frames applies to video models, not to torchvision:resnet18",
+)
+case(
+    "estimate-boxes-on-diffusion",
+    ["estimate", "diffusers:sd15-unet", "--boxes-per-image", "3"],
+    "--boxes-per-image applies to detection models",
+)
+case(
+    "estimate-dit-partial-patches",
+    ["estimate", "diffusers:dit-xl-2-256", "--resolution", "264"],
+    "not whole 2x2 patches of the DiT",
+)
+case(
+    "estimate-mvit-frames",
+    ["estimate", "torchvision:mvit_v2_s", "--frames", "4"],
+    "exactly 16 frames of 224x224",
+)
 case("estimate-optical-flow", ["estimate", "torchvision:raft_small"], "optical-flow model")
 case("estimate-text-shape-on-lm", ["estimate", T, "--input-shape", "3x224x224"], "text models take")
 

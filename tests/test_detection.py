@@ -13,10 +13,13 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
+from vramplan.device.options import device_options
+from vramplan.distributed.fsdp import Fsdp2
+from vramplan.errors import UserError
 from vramplan.measurement.run import measure_built
 from vramplan.pipeline import estimate_built
 from vramplan.recipe import Recipe
-from vramplan.sources.data_dependent import CountMode, Ledger
+from vramplan.sources.data_dependent import CountMode, CountPolicy, Ledger, PolicySampler
 from vramplan.sources.detection import build_detection, detection_source
 
 torchvision = pytest.importorskip("torchvision")
@@ -89,6 +92,27 @@ def test_trace_matches_a_real_cpu_step_under_the_same_policy():
     traced = estimate_built(_built(recipe), recipe, target="cpu").peak.allocated_bytes
     real = measure_built(_built(recipe, "cpu"), recipe, "cpu", steps=2).allocated_bytes
     assert traced == pytest.approx(real, rel=0.03)
+
+
+def test_the_max_policy_samples_as_many_as_torchvisions_sampler_on_a_busy_image():
+    """A busy image has more positives than the cap and plenty of negatives: torchvision's
+    own sampler then fills the whole batch (128 positives and 384 negatives in the box
+    head); the max policy took every candidate positive and so sampled no negatives."""
+    from torchvision.models.detection._utils import BalancedPositiveNegativeSampler
+
+    real = BalancedPositiveNegativeSampler(512, 0.25)
+    matched = torch.cat([torch.ones(600, dtype=torch.int64), torch.zeros(1400, dtype=torch.int64)])
+    pos, neg = real([matched])
+    ledger = Ledger()
+    PolicySampler(real, CountPolicy("max", 3), ledger, "roi")([matched.clone()])
+    assert ledger.sampled["roi"] == [(int(pos[0].sum()), int(neg[0].sum()))] == [(128, 384)]
+    # and a Faster R-CNN's max step is then no smaller than its min step (it was: 128 of
+    # the 512 regions per image went through the box head)
+    peaks = {}
+    for counts in ("max", "min"):
+        recipe = RECIPE.with_changes(batch_size=1, detection_counts=counts)
+        peaks[counts] = estimate_built(_faster(recipe), recipe).peak.allocated_bytes
+    assert peaks["max"] >= peaks["min"]
 
 
 def test_nms_and_nonzero_answer_with_the_policy_counts():
@@ -223,3 +247,13 @@ def test_fused_focal_loss_on_a_model_without_one_is_a_user_error():
 
     with pytest.raises(UserError, match="no focal loss"):
         build_detection("fasterrcnn_resnet50_fpn", RECIPE.with_changes(focal_loss="fused"))
+
+
+def test_fsdp_in_bf16_names_the_cast_of_the_targets():
+    """FSDP2's MixedPrecisionPolicy casts the targets' boxes to bf16 with the images, and
+    torchvision's RoI heads refuse them (a real step fails alike); the error said to check
+    --input-shape and --boxes-per-image."""
+    recipe = RECIPE.with_changes(batch_size=1, precision="amp-bf16")
+    device = device_options(gpu="h100", data_parallel=2)
+    with pytest.raises(UserError, match="casts every floating-point input to bfloat16"):
+        estimate_built(_built(recipe), recipe, "cuda", device, engine=Fsdp2(2))

@@ -65,3 +65,18 @@ def test_a_config_of_another_class_is_refused(tmp_path):
     path.write_text(json.dumps({"_class_name": "AutoencoderKL"}))
     with pytest.raises(UserError, match="UNet2DConditionModel or DiTTransformer2DModel"):
         resolve(f"diffusers:{path}", Recipe())
+
+
+def test_num_classes_is_refused_rather_than_ignored(configs):
+    # a UNet has no classifier head: --num-classes was read by nothing
+    with pytest.raises(UserError, match="--num-classes: a diffusion model has no classifier"):
+        resolve(f"diffusers:{configs['unet']}", Recipe(num_classes=10))
+
+
+def test_a_dit_resolution_of_partial_patches_is_refused_before_tracing(configs):
+    # latents 9x9 in 2x2 patches: the DiT's output came back 8x8 and the loss against the
+    # 9x9 noise failed inside the trace with a broadcasting error
+    with pytest.raises(UserError, match="not whole 2x2 patches of the DiT"):
+        resolve(f"diffusers:{configs['dit']}", Recipe(resolution=72))
+    whole = resolve(f"diffusers:{configs['dit']}", Recipe(resolution=80))
+    assert whole.default_input_shape == (4, 10, 10)

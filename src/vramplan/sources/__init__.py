@@ -49,10 +49,48 @@ def resolve(
         from vramplan.sources.finetune import apply_finetune
 
         built = _build_named(prefix, rest, recipe, device, trust_remote_code)
+        check_task_options(built, recipe)
         return apply_finetune(built, recipe, device)
     from vramplan.sources.user_code import build_from_factory
 
     return build_from_factory(spec, recipe, device)
+
+
+# The options that describe one task's batch, and the model kinds that read them.
+TASK_OPTIONS = {
+    "boxes_per_image": ("--boxes-per-image", "detection"),
+    "detection_counts": ("--detection-counts", "detection"),
+    "targets_on_gpu": ("--targets-on-gpu", "detection"),
+    "anchor_cache": ("the anchor cache", "detection"),
+    "backbone_norm": ("--backbone-norm", "detection"),
+    "focal_loss": ("--focal-loss", "detection"),
+    "frames": ("--frames", "video"),
+    "resolution": ("--resolution", "diffusion"),
+    "diffusion_encoders": ("--diffusion-encoders", "diffusion"),
+}
+KIND_NAMES = {"detection": "detection", "video": "video", "diffusion": "diffusers"}
+
+
+def check_task_options(built: BuiltModel, recipe: Recipe) -> None:
+    """Refuse a task's option given for a model of another kind (``--frames`` on an image
+    classifier would otherwise be read by nothing and the estimate would not say so).
+
+    >>> check_task_options(resolve("torchvision:resnet18", Recipe()), Recipe(frames=4))
+    Traceback (most recent call last):
+    vramplan.errors.UserError: --frames applies to video models, not to torchvision:resnet18 (image)
+    """
+    from vramplan.recipe import VISION_DEFAULTS
+
+    asked = [
+        (flag, kind)
+        for name, (flag, kind) in TASK_OPTIONS.items()
+        if getattr(recipe, name) != VISION_DEFAULTS[name] and built.kind != kind
+    ]
+    if asked:
+        flag, kind = asked[0]
+        raise UserError(
+            f"{flag} applies to {KIND_NAMES[kind]} models, not to {built.name} ({built.kind})"
+        )
 
 
 def with_source(spec: str) -> str:

@@ -7,8 +7,9 @@ detection model runs, ``CountMode`` answers each of them with the number the pol
 - ``max`` (the default): every count at the most the model's settings allow. Every
   mask is all true (every proposal survives NMS and the small-box filter, up to
   ``rpn_post_nms_top_n_train``), so the samplers keep their caps: ``batch_size_per_image x
-  positive_fraction`` positives per image (128 in the RPN, 128 of 512 in the box head) and
-  the mask and keypoint heads run on all of them. This is what ``max_memory_allocated`` over
+  positive_fraction`` positives per image (128 in the RPN, 128 of 512 in the box head), the
+  rest of ``batch_size_per_image`` negatives, and the mask and keypoint heads run on all
+  the positives. This is what ``max_memory_allocated`` over
   a training run reaches on its busiest images.
 - ``min``: each ground-truth box matched once (the fewest positives a step can have: the
   ground truth is always among the proposals, and every box keeps its best anchor); the
@@ -105,6 +106,9 @@ class PolicySampler:
     >>> pos, neg = sampler([torch.zeros(1000, dtype=torch.int64)])
     >>> int(pos[0].sum()), int(neg[0].sum()), ledger.sampled["rpn"]
     (4, 252, [(4, 252)])
+    >>> sampler.policy = CountPolicy("max", 4)
+    >>> _ = sampler([torch.zeros(1000, dtype=torch.int64)]); ledger.sampled["rpn"]
+    [(128, 128)]
     """
 
     def __init__(self, original, policy: CountPolicy, ledger: Ledger, head: str) -> None:
@@ -120,7 +124,11 @@ class PolicySampler:
             candidates = matched.numel()
             positive = min(self.policy.positives(candidates), candidates)
             num_pos = min(positive, int(self.batch_size_per_image * self.positive_fraction))
-            num_neg = min(candidates - positive, self.batch_size_per_image - num_pos)
+            # the batch's rest is negatives where the candidates have them: a busy image's
+            # positives past the cap still leave the proposals far from every box
+            room = self.batch_size_per_image - num_pos
+            positive = min(positive, max(num_pos, candidates - room))
+            num_neg = min(candidates - positive, room)
             # the index tensors torchvision's sampler holds: torch.where and randperm of each
             torch.empty(positive, dtype=torch.int64)
             torch.empty(candidates - positive, dtype=torch.int64)

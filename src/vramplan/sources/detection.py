@@ -65,7 +65,8 @@ def _resnet101_variant(name: str, options: dict) -> nn.Module:
 
     trunk = resnet101(weights=None, norm_layer=FrozenBatchNorm2d)
     kind = RESNET101_VARIANTS[name]
-    classes = 2 if kind == "KeypointRCNN" else 91
+    options = dict(options)
+    classes = options.pop("num_classes", 2 if kind == "KeypointRCNN" else 91)
     if kind == "RetinaNet":  # as retinanet_resnet50_fpn: P3-P5, P6/P7 from P5
         backbone = _resnet_fpn_extractor(
             trunk, 3, returned_layers=[2, 3, 4], extra_blocks=LastLevelP6P7(256, 256)
@@ -142,7 +143,15 @@ def build_detection(
     (``min_size``, ``rpn_post_nms_top_n_train``, ``box_batch_size_per_image``, ...)."""
     if name not in detection_models():
         raise UserError(f"torchvision:{name} is not a detection model")
-    model = _build(name, device, model_options or {})
+    options = dict(model_options or {})
+    if recipe.num_classes is not None:
+        if recipe.num_classes < 2:  # labels are 1..N-1; 0 is the background
+            raise UserError(
+                f"--num-classes {recipe.num_classes}: a detection model's classes count the "
+                "background (class 0), so at least 2"
+            )
+        options.setdefault("num_classes", recipe.num_classes)
+    model = _build(name, device, options)
     if name not in FROM_SCRATCH and recipe.backbone_norm == "eval":
         swapped = hold_norms_in_eval(model.backbone)
     if recipe.focal_loss == "fused" and not use_fused_focal_loss(model):
@@ -261,7 +270,10 @@ def detection_source(
         with counted(ledger):
             if not training:
                 return module(images)
-            losses = module(images, targets)
+            try:
+                losses = module(images, targets)
+            except TypeError as exc:
+                raise _explained(exc, name) from None
         return sum(losses.values())
 
     notes = [policy.note(), f"{boxes} ground-truth boxes per image (--boxes-per-image)"]
@@ -284,6 +296,21 @@ def detection_source(
         default_input_shape=default,
         notes=notes,
         input_hint="check --input-shape (CxHxW) and --boxes-per-image",
+    )
+
+
+def _explained(exc: TypeError, name: str) -> Exception:
+    """Say why a target reached torchvision's heads in bfloat16: FSDP2's mixed precision
+    (``MixedPrecisionPolicy.cast_forward_inputs``) casts every floating-point input to
+    ``param_dtype``, the targets' boxes too, and ``RoIHeads.check_targets`` takes float32,
+    float64 and float16 boxes only."""
+    if "must of float type, instead got torch.bfloat16" not in str(exc):
+        return exc
+    return UserError(
+        f"{name} under FSDP2 in bf16: fully_shard's MixedPrecisionPolicy casts every "
+        "floating-point input to bfloat16, the targets' boxes too (cast_forward_inputs), and "
+        "torchvision's heads refuse bfloat16 boxes, so a real step fails the same way "
+        f"({exc})"
     )
 
 

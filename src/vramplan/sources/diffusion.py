@@ -67,14 +67,31 @@ def _config(name: str) -> dict:
 
 
 def _latent_shape(recipe: Recipe, config: dict) -> tuple[int, ...]:
+    """The latents' CxHxW; a DiT's sides must be whole patches (its output is unpatchified
+    to ``patches x patch_size``, which must meet the noise it is compared with: 264 px,
+    latents 33x33 in 2x2 patches, is refused).
+
+    >>> _latent_shape(Recipe(resolution=256), {"patch_size": 2, "in_channels": 4})
+    (4, 32, 32)
+    """
     if recipe.input_shape is not None:
         if len(recipe.input_shape) != 3:
             raise UserError(f"diffusion models take latents CxHxW, got {recipe.input_shape}")
-        return recipe.input_shape
-    side = (recipe.resolution or config["sample_size"] * LATENT_FACTOR) // LATENT_FACTOR
-    if side <= 0 or (recipe.resolution or 0) % LATENT_FACTOR:
-        raise UserError(f"--resolution must be a multiple of 8, got {recipe.resolution}")
-    return (config["in_channels"], side, side)
+        shape = recipe.input_shape
+        asked = f"--input-shape {'x'.join(map(str, shape))}"
+    else:
+        side = (recipe.resolution or config["sample_size"] * LATENT_FACTOR) // LATENT_FACTOR
+        if side <= 0 or (recipe.resolution or 0) % LATENT_FACTOR:
+            raise UserError(f"--resolution must be a multiple of 8, got {recipe.resolution}")
+        shape = (config["in_channels"], side, side)
+        asked = f"--resolution {recipe.resolution}"
+    patch = config.get("patch_size") or 1
+    if shape[1] % patch or shape[2] % patch:
+        raise UserError(
+            f"{asked}: latents {shape[1]}x{shape[2]} are not whole {patch}x{patch} patches of "
+            f"the DiT (a multiple of {patch * LATENT_FACTOR} pixels)"
+        )
+    return shape
 
 
 def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
@@ -83,23 +100,29 @@ def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltMod
 
     diffusers = require_package("diffusers", "diffusion")
     config = _config(name)
+    if recipe.num_classes is not None:
+        raise UserError(
+            "--num-classes: a diffusion model has no classifier head (a DiT's class labels "
+            "are its config's num_embeds_ada_norm)"
+        )
     kind = config["_class_name"]
+    latents = _latent_shape(recipe, config)  # before the build: a bad size fails at once
+    tokens = recipe.seq_len or TEXT_TOKENS
+    unet = kind == "UNet2DConditionModel"
+    frozen = recipe.diffusion_encoders == "frozen"
+    if frozen and (not unet or config.get("addition_embed_type") == "text_time"):
+        raise UserError(
+            "--diffusion-encoders frozen: the frozen VAE and CLIP text encoder are traced "
+            "for Stable Diffusion 1.x/2.x UNets (SDXL's and DiT's training scripts "
+            "precompute their embeddings)"
+        )
     kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
     try:
         with torch.device(device):
             model = getattr(diffusers, kind)(**kwargs)
     except (TypeError, ValueError) as exc:
         raise UserError(f"diffusers model {name!r} cannot be built: {exc}") from None
-    latents = _latent_shape(recipe, config)
-    tokens = recipe.seq_len or TEXT_TOKENS
-    unet = kind == "UNet2DConditionModel"
-    if recipe.diffusion_encoders == "frozen":
-        if not unet or config.get("addition_embed_type") == "text_time":
-            raise UserError(
-                "--diffusion-encoders frozen: the frozen VAE and CLIP text encoder are traced "
-                "for Stable Diffusion 1.x/2.x UNets (SDXL's and DiT's training scripts "
-                "precompute their embeddings)"
-            )
+    if frozen:
         return _with_frozen_encoders(name, model, recipe, latents, tokens, device)
 
     def make_batch(batch_size: int, dtype: torch.dtype) -> Batch:

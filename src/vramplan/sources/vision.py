@@ -202,14 +202,34 @@ def _video(torchvision, name: str, recipe: Recipe, device: str) -> BuiltModel:
         raise UserError(f"video models take --input-shape CxTxHxW, got {shape}")
     elif recipe.frames is not None:
         shape = (shape[0], recipe.frames, *shape[2:])
+    classes = {} if recipe.num_classes is None else {"num_classes": recipe.num_classes}
     with torch.device(device):
-        model = torchvision.models.get_model(name, weights=None)
+        model = torchvision.models.get_model(name, weights=None, **classes)
+    fixed = _fixed_clip(model)
+    if fixed is not None and tuple(shape[1:]) != fixed:
+        raise UserError(
+            f"torchvision:{name} takes clips of exactly {fixed[0]} frames of "
+            f"{fixed[1]}x{fixed[2]} (its builder fixes the position layout to that size), "
+            f"got {_shape_text(shape)}"
+        )
     built = image_classifier(f"torchvision:{name}", type(model).__name__, model, shape)
     built.kind = "video"
     built.input_hint = "check --input-shape (CxTxHxW) / --frames"
     built.enable_checkpointing = checkpoint_repeated_blocks
     built.blocks = len(true_repeated_blocks(model))
     return built
+
+
+def _fixed_clip(model: nn.Module) -> tuple[int, int, int] | None:
+    """The one clip size ``(T, H, W)`` an MViT takes: its positional encoding is laid out
+    for the patch grid of the size its builder gives (16x224x224), and forward reshapes
+    the tokens to that grid; None for a model that takes any size."""
+    position = getattr(model, "pos_encoding", None)
+    if position is None:
+        return None
+    stride = model.conv_proj.stride
+    grid = (position.temporal_size, *position.spatial_size)
+    return tuple(side * step for side, step in zip(grid, stride, strict=True))
 
 
 def _shape_text(shape: tuple[int, ...]) -> str:

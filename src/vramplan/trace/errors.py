@@ -43,6 +43,13 @@ def explain_failure(
         )
     if isinstance(exc, SystemExit):
         return UserError(f"model {model_name} called sys.exit({exc.code}) while tracing")
+    if "Expected more than 1 value per channel when training" in str(exc):
+        return UserError(
+            f"model {model_name} failed on the example batch: {_first_line(exc)}: a BatchNorm "
+            "in training sees one value per channel (batch x height x width = 1 where it "
+            "runs, as after a global pool at batch 1), which a real step refuses too; raise "
+            "--batch-size (or the input size)"
+        )
     gpu_hint = cuda_hint(exc)
     if gpu_hint:
         return UserError(f"model {model_name} wants a GPU ({_first_line(exc)}){gpu_hint}")
