@@ -87,3 +87,22 @@ def test_another_card_is_judged_with_its_own_measured_table(tiny_llama):
     assert not measured_note(
         Workbench(tiny_llama, device_options(gpu="h200", stack=stack)), "a100-80gb"
     )
+
+
+
+def test_no_accumulation_trial_is_traced_where_the_weights_alone_do_not_fit(tmp_path):
+    """A Llama whose fp32 weights (131M parameters of embeddings and head, 525 MB) fill
+    more than a 600 MiB card's usable share: the table's accumulation row is two
+    micro-batches, what tracing every trial finds (none fits), without tracing them."""
+    from vramplan.planner.levers import _accumulation_row, _accumulation_trials
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**PLAN_LLAMA, "vocab_size": 32000, "hidden_size": 2048}))
+    bench = Workbench(f"hf:{path}", device_options(gpu_memory="600MiB"))
+    recipe = Recipe(batch_size=4, seq_len=64)
+    baseline = bench.estimate(recipe)
+    assert baseline.model.parameter_bytes >= baseline.verdict.usable_bytes
+    assert _accumulation_row(bench, recipe, baseline) == {"batch_size": 2, "grad_accum": 2}
+    assert bench.traces == 1
+    trials = [recipe.with_changes(**t) for t in _accumulation_trials(recipe, {})]
+    assert len(trials) == 2 and not any(bench.fits(trial) for trial in trials)
