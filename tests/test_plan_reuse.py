@@ -89,7 +89,6 @@ def test_another_card_is_judged_with_its_own_measured_table(tiny_llama):
     )
 
 
-
 def test_no_accumulation_trial_is_traced_where_the_weights_alone_do_not_fit(tmp_path):
     """A Llama whose fp32 weights (131M parameters of embeddings and head, 525 MB) fill
     more than a 600 MiB card's usable share: the table's accumulation row is two
