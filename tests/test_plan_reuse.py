@@ -105,3 +105,27 @@ def test_no_accumulation_trial_is_traced_where_the_weights_alone_do_not_fit(tmp_
     assert bench.traces == 1
     trials = [recipe.with_changes(**t) for t in _accumulation_trials(recipe, {})]
     assert len(trials) == 2 and not any(bench.fits(trial) for trial in trials)
+
+
+def test_no_lora_floor_is_traced_where_the_half_precision_weights_do_not_fit(tmp_path):
+    """A Llama of two wide blocks (128M parameters, 256 MB in bf16) on a 256 MiB card: the
+    bf16 weights alone do not fit, so the LoRA base is left out of the plan's adapter tier
+    (QLoRA's quantized base stays), and its floor, traced, indeed does not fit."""
+    from vramplan.planner.levers import LORA, QLORA, LeverResult, _adapter_bases, _floor
+
+    path = tmp_path / "config.json"
+    wide = {**PLAN_LLAMA, "hidden_size": 2048, "intermediate_size": 8192}
+    path.write_text(json.dumps(wide))
+    bench = Workbench(f"hf:{path}", device_options(gpu_memory="256MiB"))
+    recipe = Recipe(batch_size=2, seq_len=64)
+
+    def lever(name: str, changes: dict) -> LeverResult:
+        return LeverResult(name, changes, bench.estimate(recipe.with_changes(**changes)), 0, {})
+
+    bf16 = lever("bf16 weights", {"precision": "bf16"})
+    assert bf16.estimate.model.parameter_bytes >= bf16.estimate.verdict.usable_bytes
+    adapters = [LeverResult("LoRA", LORA, None, 0, {}), LeverResult("QLoRA", QLORA, None, 0, {})]
+    bases = _adapter_bases(adapters, bf16)
+    assert [names for names, _ in bases] == [("bf16 weights", "QLoRA")]
+    lora_floor = _floor(recipe, {"precision": "bf16", **LORA, "loss_chunks": 8}, True)
+    assert not bench.fits(lora_floor)

@@ -510,8 +510,7 @@ def _first_plan(
     adapters = [by_name[n] for n in FINETUNE_LEVERS if n in by_name]
     if adapters:
         leanest = precisions[-1]  # a frozen base needs no fp32 master weights
-        head = ((leanest.name,), dict(leanest.changes)) if leanest else ((), {})
-        bases = tuple(((*head[0], a.name), {**head[1], **a.changes}) for a in adapters)
+        bases = _adapter_bases(adapters, leanest)
         chunked = by_name.get("chunked loss")
         free = ((chunked,) if chunked else (),)
         tiers.append(_Tier(bases, free, free, False))
@@ -531,6 +530,21 @@ def _first_plan(
             label = " + ".join([*names, *(f.name for f in free), *_costed_names(recipe, changes)])
             return _result(bench, recipe, label, changes, cost, baseline, throughput)
     return None
+
+
+def _adapter_bases(
+    adapters: list[LeverResult], precision: LeverResult | None
+) -> tuple[tuple[tuple[str, ...], dict], ...]:
+    """Each adapter lever over the ``precision`` lever's base: (names, changes). LoRA keeps
+    the whole base as that lever stores it and adds adapters, so where those weights
+    alone do not fit (``_weights_leave_room``) no LoRA plan does: it is left out, and its
+    floor is not traced. QLoRA quantizes the base: it stays."""
+    head = ((precision.name,), dict(precision.changes)) if precision else ((), {})
+    return tuple(
+        ((*head[0], a.name), {**head[1], **a.changes})
+        for a in adapters
+        if precision is None or "quantize" in a.changes or _weights_leave_room(precision.estimate)
+    )
 
 
 def _costed_names(recipe: Recipe, changes: dict) -> list[str]:
