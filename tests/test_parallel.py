@@ -84,3 +84,54 @@ def test_the_search_trials_of_several_jobs_cover_what_bisection_tries():
         (6, 4), (4, 6), (3, 8), (2, 12), (1, 24)
     ]  # fmt: skip
     assert _accumulation_trials(Recipe(batch_size=8), {"optimizer_in_backward": True}) == []
+
+
+_SHARED_SCRIPT = """
+import json, sys
+from vramplan.device.options import device_options
+from vramplan.planner.bench import Workbench
+from vramplan.recipe import Recipe
+
+model, jobs = sys.argv[1], int(sys.argv[2])
+bench = Workbench(model, device_options(gpu_memory="941MiB"), shares_short_traces=True, jobs=jobs)
+made = []
+keep = bench.keep
+bench.keep = lambda *outcome: (made.append(len(outcome[-1])), keep(*outcome))
+recipes = [Recipe(batch_size=4, seq_len=256, checkpointing=n) for n in ("5", "11")]
+with bench.side_by_side(recipes[0]):
+    bench.prefetch(recipes)
+    estimates = [bench.estimate(r) for r in recipes]
+print(json.dumps({
+    "made": made,
+    "kept": len(bench.short_traces_made()),
+    "estimates": [
+        [e.peak.to_json(), e.components, e.verdict.status] for e in estimates
+    ],
+}))
+"""
+
+
+@needs_fork
+def test_workers_share_the_short_traces_of_checkpointed_counts(tmp_path):
+    """Two counts of checkpointed blocks of a 16-block Llama traced side by side: the
+    first makes the five short traces of its family, the second is sent them and makes
+    none, and both estimates are those of tracing one recipe at a time."""
+    from conftest import PLAN_LLAMA
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**PLAN_LLAMA, "num_hidden_layers": 16}))
+
+    def run(jobs: int) -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", _SHARED_SCRIPT, f"hf:{path}", str(jobs)],
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    alone, side_by_side = run(1), run(2)
+    assert side_by_side["made"] == [5, 0]
+    assert side_by_side["kept"] == alone["kept"] == 5
+    assert side_by_side["estimates"] == alone["estimates"]

@@ -87,3 +87,45 @@ def test_another_card_is_judged_with_its_own_measured_table(tiny_llama):
     assert not measured_note(
         Workbench(tiny_llama, device_options(gpu="h200", stack=stack)), "a100-80gb"
     )
+
+
+def test_no_accumulation_trial_is_traced_where_the_weights_alone_do_not_fit(tmp_path):
+    """A Llama whose fp32 weights (131M parameters of embeddings and head, 525 MB) fill
+    more than a 600 MiB card's usable share: the table's accumulation row is two
+    micro-batches, what tracing every trial finds (none fits), without tracing them."""
+    from vramplan.planner.levers import _accumulation_row, _accumulation_trials
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**PLAN_LLAMA, "vocab_size": 32000, "hidden_size": 2048}))
+    bench = Workbench(f"hf:{path}", device_options(gpu_memory="600MiB"))
+    recipe = Recipe(batch_size=4, seq_len=64)
+    baseline = bench.estimate(recipe)
+    assert baseline.model.parameter_bytes >= baseline.verdict.usable_bytes
+    assert _accumulation_row(bench, recipe, baseline) == {"batch_size": 2, "grad_accum": 2}
+    assert bench.traces == 1
+    trials = [recipe.with_changes(**t) for t in _accumulation_trials(recipe, {})]
+    assert len(trials) == 2 and not any(bench.fits(trial) for trial in trials)
+
+
+def test_no_lora_floor_is_traced_where_the_half_precision_weights_do_not_fit(tmp_path):
+    """A Llama of two wide blocks (128M parameters, 256 MB in bf16) on a 256 MiB card: the
+    bf16 weights alone do not fit, so the LoRA base is left out of the plan's adapter tier
+    (QLoRA's quantized base stays), and its floor, traced, indeed does not fit."""
+    from vramplan.planner.levers import LORA, QLORA, LeverResult, _adapter_bases, _floor
+
+    path = tmp_path / "config.json"
+    wide = {**PLAN_LLAMA, "hidden_size": 2048, "intermediate_size": 8192}
+    path.write_text(json.dumps(wide))
+    bench = Workbench(f"hf:{path}", device_options(gpu_memory="256MiB"))
+    recipe = Recipe(batch_size=2, seq_len=64)
+
+    def lever(name: str, changes: dict) -> LeverResult:
+        return LeverResult(name, changes, bench.estimate(recipe.with_changes(**changes)), 0, {})
+
+    bf16 = lever("bf16 weights", {"precision": "bf16"})
+    assert bf16.estimate.model.parameter_bytes >= bf16.estimate.verdict.usable_bytes
+    adapters = [LeverResult("LoRA", LORA, None, 0, {}), LeverResult("QLoRA", QLORA, None, 0, {})]
+    bases = _adapter_bases(adapters, bf16)
+    assert [names for names, _ in bases] == [("bf16 weights", "QLoRA")]
+    lora_floor = _floor(recipe, {"precision": "bf16", **LORA, "loss_chunks": 8}, True)
+    assert not bench.fits(lora_floor)

@@ -283,6 +283,32 @@ def _accumulation_trials(recipe: Recipe, changes: dict) -> list[dict]:
     ]
 
 
+def _halves(recipe: Recipe) -> dict | None:
+    """Two micro-batches of half the batch (None for an odd batch)."""
+    if recipe.batch_size % 2:
+        return None
+    return {"batch_size": max(1, recipe.batch_size // 2), "grad_accum": recipe.grad_accum * 2}
+
+
+def _first_trials(recipe: Recipe, baseline: Estimate) -> list[dict]:
+    """The accumulation trials the table will trace first: the first two (two and three
+    micro-batches, or four), or only two micro-batches, the table's row, where the weights
+    alone do not fit (``_accumulation_row``)."""
+    if _weights_leave_room(baseline):
+        return _accumulation_trials(recipe, {})[:2]
+    halves = _halves(recipe)
+    return [halves] if halves is not None and _accumulation_trials(recipe, {}) else []
+
+
+def _accumulation_row(bench: Workbench, recipe: Recipe, baseline: Estimate) -> dict | None:
+    """The table's gradient accumulation: the fewest micro-batches that fit, else two (the
+    lever's own figure). Where the weights alone do not fit (``baseline``'s, the same at
+    every micro-batch: they stay on the card), no micro-batch fits, so none is tried: the
+    verdict's high end is at least the device total, itself at least the weights."""
+    found = _accumulate(bench, recipe, {}) if _weights_leave_room(baseline) else None
+    return found if found is not None else _halves(recipe)
+
+
 def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
     """With checkpointing in ``changes``: the fewest leading blocks to recompute. The
     first round bisects; then memory falls about linearly with the blocks recomputed, so
@@ -395,21 +421,14 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
         candidates = [c for c in candidates if "checkpointing" not in c[1]]
     bench.prefetch(
         [_apply(recipe, changes) for _, changes, _ in candidates]
-        + [_apply(recipe, trial) for trial in _accumulation_trials(recipe, {})[:2]]
+        + [_apply(recipe, trial) for trial in _first_trials(recipe, baseline)]
     )
     levers = [
         _result(bench, recipe, name, changes, cost, baseline, throughput)
         for name, changes, cost in candidates
     ]
     if recipe.is_training and recipe.batch_size > 1 and not recipe.optimizer_in_backward:
-        accumulation = _accumulate(bench, recipe, {})
-        if accumulation is None:
-            halves = (
-                {"batch_size": max(1, recipe.batch_size // 2), "grad_accum": recipe.grad_accum * 2}
-                if recipe.batch_size % 2 == 0
-                else None
-            )
-            accumulation = halves
+        accumulation = _accumulation_row(bench, recipe, baseline)
         if accumulation is not None:
             levers.append(
                 _result(
@@ -491,8 +510,7 @@ def _first_plan(
     adapters = [by_name[n] for n in FINETUNE_LEVERS if n in by_name]
     if adapters:
         leanest = precisions[-1]  # a frozen base needs no fp32 master weights
-        head = ((leanest.name,), dict(leanest.changes)) if leanest else ((), {})
-        bases = tuple(((*head[0], a.name), {**head[1], **a.changes}) for a in adapters)
+        bases = _adapter_bases(adapters, leanest)
         chunked = by_name.get("chunked loss")
         free = ((chunked,) if chunked else (),)
         tiers.append(_Tier(bases, free, free, False))
@@ -512,6 +530,21 @@ def _first_plan(
             label = " + ".join([*names, *(f.name for f in free), *_costed_names(recipe, changes)])
             return _result(bench, recipe, label, changes, cost, baseline, throughput)
     return None
+
+
+def _adapter_bases(
+    adapters: list[LeverResult], precision: LeverResult | None
+) -> tuple[tuple[tuple[str, ...], dict], ...]:
+    """Each adapter lever over the ``precision`` lever's base: (names, changes). LoRA keeps
+    the whole base as that lever stores it and adds adapters, so where those weights
+    alone do not fit (``_weights_leave_room``) no LoRA plan does: it is left out, and its
+    floor is not traced. QLoRA quantizes the base: it stays."""
+    head = ((precision.name,), dict(precision.changes)) if precision else ((), {})
+    return tuple(
+        ((*head[0], a.name), {**head[1], **a.changes})
+        for a in adapters
+        if precision is None or "quantize" in a.changes or _weights_leave_room(precision.estimate)
+    )
 
 
 def _costed_names(recipe: Recipe, changes: dict) -> list[str]:

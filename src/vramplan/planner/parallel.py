@@ -24,11 +24,14 @@ again and raises its error in the caller.
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import sys
 import time
 from typing import TYPE_CHECKING, Any, Protocol
+
+from vramplan.trace.repeat_plan import family
 
 if TYPE_CHECKING:
     from multiprocessing.pool import Pool
@@ -97,17 +100,22 @@ class TraceWorkers:
 
     def trace(self, recipes: list[Recipe]) -> int:
         """Trace ``recipes`` (none traced yet) in the workers, keeping each result in the
-        bench; how many were traced so."""
+        bench; how many were traced so. Each worker is sent the short traces of its
+        recipe's ``family`` that the bench holds, and a recipe whose family has none yet
+        waits for the first of its family in ``recipes`` to make them (``waves``)."""
         if self.pool is None or len(recipes) < 2:
             return 0
         traced = 0
-        for outcome in self.pool.imap(_trace_in_worker, recipes):
-            if outcome == UNUSABLE:
-                self.close()  # this process traced before: one trace at a time from now on
-                return traced
-            if outcome is not None:
-                self.bench.keep(*outcome)
-                traced += 1
+        for wave in waves(recipes, self.bench.short_traces_made()):
+            kept = self.bench.short_traces_made()
+            tasks = [(recipe, shared(kept, recipe)) for recipe in wave]
+            for outcome in self.pool.imap(_trace_in_worker, tasks):
+                if outcome == UNUSABLE:
+                    self.close()  # this process traced before: one trace at a time from now on
+                    return traced
+                if outcome is not None:
+                    self.bench.keep(*outcome)
+                    traced += 1
         return traced
 
     def close(self) -> None:
@@ -126,12 +134,50 @@ def start_workers(bench: Workbench, jobs: int) -> TraceWorkers | None:
     return TraceWorkers(bench, jobs)
 
 
-def _trace_in_worker(recipe: Recipe) -> tuple[Any, ...] | str | None:
+def _family(key: tuple) -> str | None:
+    """The ``repeat_plan.family`` of a short trace's key (its short recipe is the last
+    item, as ``trace/repeat.py`` keeps it)."""
+    return family(json.loads(key[-1]))
+
+
+def shared(kept: dict, recipe: Recipe) -> dict:
+    """The short traces in ``kept`` that ``recipe`` can use: those of its family."""
+    mine = family(recipe.to_json())
+    return {} if mine is None else {k: v for k, v in kept.items() if _family(k) == mine}
+
+
+def waves(recipes: list[Recipe], kept: dict) -> list[list[Recipe]]:
+    """``recipes`` in one or two waves: the second holds the recipes whose family has no
+    short traces in ``kept`` yet, save the first of each, which makes them (traced side
+    by side, each would trace the same short traces).
+
+    >>> from vramplan.recipe import Recipe
+    >>> [[r.checkpointing for r in wave] for wave in waves(
+    ...     [Recipe(checkpointing="11"), Recipe(checkpointing="21"), Recipe()], {})]
+    [['11', 'none'], ['21']]
+    """
+    known = {_family(key) for key in kept}
+    first: list[Recipe] = []
+    later: list[Recipe] = []
+    seen: set[str] = set()
+    for recipe in recipes:
+        mine = family(recipe.to_json())
+        if mine is None or mine in known or mine not in seen:
+            first.append(recipe)
+            seen.add(mine or "")
+        else:
+            later.append(recipe)
+    return [wave for wave in (first, later) if wave]
+
+
+def _trace_in_worker(task: tuple[Recipe, dict]) -> tuple[Any, ...] | str | None:
     """In a worker: the recipe's estimate and trace, the label and seconds of the trace,
-    and the short traces made for it; ``UNUSABLE`` when autograd cannot run in this
-    process; None when the trace failed (the bench retries it)."""
+    and the short traces made for it (beside those ``task`` brings: the recipe and the
+    short traces of its family the bench held); ``UNUSABLE`` when autograd cannot run in
+    this process; None when the trace failed (the bench retries it)."""
     import torch
 
+    recipe, brought = task
     bench = _BENCH
     assert bench is not None  # inherited from the parent at the fork
     bench.log.progress = None  # the parent reports each result
@@ -141,6 +187,7 @@ def _trace_in_worker(recipe: Recipe) -> tuple[Any, ...] | str | None:
         (probe * 2).sum().backward()
     except RuntimeError:
         return UNUSABLE
+    bench.short_traces_made().update(brought)
     already = set(bench.short_traces_made())
     start = time.perf_counter()
     try:

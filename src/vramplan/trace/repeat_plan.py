@@ -12,10 +12,14 @@ checkpoints)::
     (Segment(width=3, units=10), Segment(width=1, units=2))
     >>> short_recipe(Recipe(checkpointing="12"), (2, 3)).checkpointing
     '2'
+
+Recipes that checkpoint a different number of leading blocks (and differ in nothing else)
+share their short traces: ``family`` names what they have in common.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 
 from vramplan.recipe import Recipe
@@ -76,3 +80,18 @@ def recomputed(recipe: Recipe, blocks: int) -> list[bool]:
     limit = recipe.checkpoint_blocks
     every = recipe.checkpoint_every
     return [(limit is None or i < limit) and (i + 1) % every == 0 for i in range(blocks)]
+
+
+def family(recipe: dict) -> str | None:
+    """What the recipes whose short traces can be shared have in common (a recipe's
+    ``to_json``): all but a count of checkpointed leading blocks, which the short traces
+    cut to their own few units (``short_recipe``); None for other recipes.
+
+    >>> family(Recipe(checkpointing="11").to_json()) == family(Recipe(checkpointing="21").to_json())
+    True
+    >>> family(Recipe(checkpointing="full").to_json()) is None
+    True
+    """
+    if not str(recipe.get("checkpointing", "")).isdigit():
+        return None
+    return json.dumps({k: v for k, v in recipe.items() if k != "checkpointing"}, sort_keys=True)
