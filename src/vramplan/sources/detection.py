@@ -152,26 +152,11 @@ def build_detection(
             )
         options.setdefault("num_classes", recipe.num_classes)
     model = _build(name, device, options)
-    if name not in FROM_SCRATCH and recipe.backbone_norm == "eval":
-        swapped = hold_norms_in_eval(model.backbone)
+    backbone = _lay_out_backbone(name, model, recipe)
     if recipe.focal_loss == "fused" and not use_fused_focal_loss(model):
         raise UserError(f"--focal-loss fused: torchvision:{name} has no focal loss (RetinaNet has)")
     built = detection_source(model, f"torchvision:{name}", recipe, image_sizes)
-    if name in FROM_SCRATCH:
-        built.notes.append("backbone trained from scratch, as torchvision's reference script does")
-    elif recipe.backbone_norm == "eval":
-        built.notes.append(
-            f"backbone from ImageNet weights with its {swapped} norms as nn.BatchNorm2d held in "
-            "eval mode (--backbone-norm eval, mmdetection's norm_eval=True): each keeps its "
-            "input for backward, which FrozenBatchNorm2d does not; their affine parameters "
-            "train where their stage trains (trainable_backbone_layers default); no weights "
-            "loaded"
-        )
-    else:
-        built.notes.append(
-            "backbone laid out as the reference scripts train it from ImageNet weights "
-            "(FrozenBatchNorm2d, trainable_backbone_layers default); no weights loaded"
-        )
+    built.notes.append(backbone)
     if recipe.focal_loss == "fused":
         built.notes.append(
             "classification loss as one fused kernel (--focal-loss fused, mmcv's "
@@ -179,6 +164,26 @@ def build_detection(
             "labels kept, a per-element loss weighted by the anchors' label weights"
         )
     return built
+
+
+def _lay_out_backbone(name: str, model: nn.Module, recipe: Recipe) -> str:
+    """Hold the backbone's norms as ``recipe.backbone_norm`` asks; the note saying how the
+    backbone is laid out."""
+    if name in FROM_SCRATCH:
+        return "backbone trained from scratch, as torchvision's reference script does"
+    if recipe.backbone_norm == "eval":
+        swapped = hold_norms_in_eval(model.backbone)
+        return (
+            f"backbone from ImageNet weights with its {swapped} norms as nn.BatchNorm2d held in "
+            "eval mode (--backbone-norm eval, mmdetection's norm_eval=True): each keeps its "
+            "input for backward, which FrozenBatchNorm2d does not; their affine parameters "
+            "train where their stage trains (trainable_backbone_layers default); no weights "
+            "loaded"
+        )
+    return (
+        "backbone laid out as the reference scripts train it from ImageNet weights "
+        "(FrozenBatchNorm2d, trainable_backbone_layers default); no weights loaded"
+    )
 
 
 class EvalBatchNorm2d(nn.BatchNorm2d):
