@@ -182,11 +182,12 @@ def test_a_measured_table_replaces_the_model_for_its_card_and_stack(tmp_path, mo
     assert options.measured is not None
     on = device_trace(trace, A100, False, "high", options.measured)
     assert _workspace_requests(requests_of(on), trace) == [("alloc", 3 * MiB), ("free", 3 * MiB)]
-    # another CUDA, or another card, keeps the model; another PyTorch on the same CUDA takes
-    # the table as its central reading only
+    # another CUDA, or a card of another architecture, keeps the model; another PyTorch on
+    # the same CUDA, or a sibling card, takes the table as its central reading only
     assert device_options(gpu="a100-40gb", stack="torch2.5-cu12.1").measured is None
-    assert device_options(gpu="a100-80gb", stack="torch2.5-cu12.4").measured is None
+    assert device_options(gpu="a10", stack="torch2.5-cu12.4").measured is None
     assert device_options(gpu="a100-40gb", stack="torch2.6-cu12.4").measured.exact is False
+    assert device_options(gpu="a100-80gb", stack="torch2.5-cu12.4").measured.sibling
     model = device_trace(trace, A100, False)
     assert _workspace_requests(requests_of(model), trace)[0] == (
         "alloc",
@@ -250,6 +251,44 @@ def test_the_driver_reserve_changes_the_usable_capacity(tmp_path, monkeypatch):
     assert measured.verdict.capacity_bytes == 40960 * MiB - 300 * MiB
     assert measured.runtime["cuda_context"] == 500 * MiB
     assert any("measured figures" in note for note in measured.notes)
+
+
+def test_a_sibling_cards_table_gives_its_workspaces_and_floor_not_its_memory(tmp_path, monkeypatch):
+    """An A100-80GB without a table of its own takes the A100-40GB's (same sm80, same CUDA)
+    as its central reading: the measured workspace and context, its own 80 GB and reserve."""
+    monkeypatch.setenv(MEASURED_DIR_ENV, str(tmp_path))
+    _measured_file(tmp_path, ("2.5", "12.4"), 3 * MiB, 300 * MiB)
+    options = device_options(gpu="a100-80gb", stack="torch2.5-cu12.4")
+    table = options.measured
+    assert table.sibling and not table.exact and table.nvml == {}
+    trace = _conv_trace([("forward", ("forward",))])
+    on = device_trace(trace, lookup_gpu("a100-80gb"), False, "central", table)
+    assert _workspace_requests(requests_of(on), trace)[0] == ("alloc", 3 * MiB)
+    own = _estimate(gpu="a100-40gb", stack="torch2.5-cu12.4")
+    sibling = _estimate(gpu="a100-80gb", stack="torch2.5-cu12.4")
+    assert sibling.runtime["cuda_context"] == own.runtime["cuda_context"] == 500 * MiB
+    assert own.runtime["driver_reserved"] == 300 * MiB
+    assert sibling.runtime["driver_reserved"] == 450 * MiB  # the catalog's, not the table's
+    assert sibling.verdict.capacity_bytes == lookup_gpu("a100-80gb").total_bytes - 450 * MiB
+    assert any("A100-40GB's (sm80" in note for note in sibling.notes)
+
+
+def test_the_h100_and_h200_harvests_measured_the_same_cudnn_workspaces():
+    """Two sm90 cards of different memory on one stack: the ground truth for siblings."""
+    from vramplan.device.measured import measured_for
+
+    h100, h200 = (
+        measured_for("H100-SXM", "torch2.11-cu13.0"),
+        measured_for("H200", "torch2.11-cu13.0"),
+    )
+    assert h100.exact and h200.exact and not h100.sibling
+    shared = [k for k in h100.workspaces if k in h200.workspaces and not k[-1]]
+    same = [k for k in shared if h100.workspaces[k] == h200.workspaces[k]]
+    assert len(shared) > 1500 and len(same) >= len(shared) - 1
+    assert h100.floor == {**h200.floor, "eager": h100.floor["eager"]}  # lazy floors equal
+    assert h100.nvml["driver_reserved_bytes"] != h200.nvml["driver_reserved_bytes"]
+    pcie = measured_for("H100-PCIe", "torch2.11-cu13.0")
+    assert pcie.sibling and pcie.workspaces in (h100.workspaces, h200.workspaces)
 
 
 def test_eager_module_loading_raises_the_floor():

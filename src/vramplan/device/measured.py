@@ -37,7 +37,7 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 
-from vramplan.device.catalog import lookup_gpu
+from vramplan.device.catalog import catalog, lookup_gpu
 from vramplan.device.cudnn import ConvCase
 from vramplan.device.stack import stack_slug
 from vramplan.errors import UserError
@@ -66,8 +66,12 @@ class MeasuredTable:
     batches: dict[tuple, list[tuple[int, tuple[int, int]]]] = field(default_factory=dict)
     """The same workspaces per configuration less its batch: (batch, workspaces), sorted."""
     exact: bool = True
-    """False when the table was measured under another PyTorch on the same card and CUDA
-    (``measured_for``): its figures are the central reading, the model's range stays."""
+    """False when the table was measured under another PyTorch on the same CUDA, or on a
+    sibling card (``measured_for``): its figures are the central reading, the model's range
+    stays."""
+    sibling: bool = False
+    """True when the table is another card's of the same architecture: its cuDNN engines
+    and floor serve, its memory size and driver reserve do not (``nvml`` is emptied)."""
 
     @property
     def stack_slug(self) -> str:
@@ -251,6 +255,16 @@ def _tables_of(gpu: str) -> list[MeasuredTable]:
     return tables
 
 
+def _sibling_tables(gpu: str) -> list[MeasuredTable]:
+    """The tables of other catalog cards with ``gpu``'s architecture (``sm90``)."""
+    try:
+        arch = lookup_gpu(gpu).arch
+    except UserError:
+        return []
+    names = {card.name for card in catalog() if card.arch == arch and card.name != gpu}
+    return [table for name in sorted(names) for table in _tables_of(name)]
+
+
 def torch_distance(slug_a: str, slug_b: str) -> tuple[int, int] | None:
     """How far apart two stacks' PyTorch releases are, when their CUDA is the same.
 
@@ -271,6 +285,15 @@ def torch_distance(slug_a: str, slug_b: str) -> tuple[int, int] | None:
     return abs(major_a - major_b), abs(minor_a - minor_b)
 
 
+def _nearest(tables: list[MeasuredTable], stack: str) -> MeasuredTable | None:
+    """The table of ``stack`` itself, else of the nearest PyTorch on its CUDA."""
+    for table in tables:
+        if table.stack_slug == slug(stack):
+            return table
+    near = [(d, t) for t in tables if (d := torch_distance(t.stack_slug, slug(stack)))]
+    return min(near, key=lambda pair: pair[0])[1] if near else None
+
+
 def measured_for(gpu: str, stack: str) -> MeasuredTable | None:
     """The measured table of a catalog card and a stack slug (``torch2.5-cu12.4``):
     ``$VRAMPLAN_MEASURED_DIR`` first, then the bundled tables. Without one for the stack,
@@ -279,12 +302,18 @@ def measured_for(gpu: str, stack: str) -> MeasuredTable | None:
     cuDNN workspaces with the engines cuDNN's heuristics pick on that card, which a
     PyTorch release with the same CUDA changes less than the engine model misses by (the
     H200 table's VGG-16 workspaces are 15-23% of the allocated peak below the model's).
-    ``None`` when the card has no table on that CUDA."""
-    tables = _tables_of(gpu)
-    for table in tables:
-        if table.stack_slug == slug(stack):
-            return table
-    near = [(d, t) for t in tables if (d := torch_distance(t.stack_slug, slug(stack)))]
-    if not near:
+
+    Without a table of the card, a sibling's: another card of the same architecture on the
+    same CUDA, marked not ``exact`` and ``sibling``, without its memory size and reserve.
+    The H100 SXM and H200 harvests (sm90, torch 2.11 + CUDA 13.0, cuDNN 9.19) measured the
+    same workspace in 1559 of the 1560 benchmark-off convolution configurations both ran
+    (the other 272 bytes apart) and the same floor: cuDNN's heuristics choose engines by
+    compute capability and problem, not by memory size. ``None`` when no card of the
+    architecture has a table on that CUDA."""
+    own = _nearest(_tables_of(gpu), stack)
+    if own is not None:
+        return own if own.stack_slug == slug(stack) else replace(own, exact=False)
+    sibling = _nearest(_sibling_tables(gpu), stack)
+    if sibling is None:
         return None
-    return replace(min(near, key=lambda pair: pair[0])[1], exact=False)
+    return replace(sibling, exact=False, sibling=True, nvml={})

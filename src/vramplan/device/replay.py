@@ -442,8 +442,16 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
             f"torch {options.profile.torch})"
         )
     if measured is not None:
-        notes.append(f"measured figures for {gpu.name} on {measured.stack_slug}: {measured.path}")
-        if not measured.exact:
+        card = measured.gpu if measured.sibling else gpu.name
+        notes.append(f"measured figures for {card} on {measured.stack_slug}: {measured.path}")
+        if measured.sibling:
+            notes.append(
+                f"no measured table for {gpu.name}: {measured.gpu}'s ({gpu.arch}, "
+                f"{measured.stack_slug}) gives the central floor and cuDNN workspaces, "
+                f"{gpu.name}'s own memory and driver reserve stay, the range keeps the model's "
+                "readings; `python -m benchmarks.gpu_harvest` on this card makes its own"
+            )
+        elif not measured.exact:
             notes.append(
                 f"no measured table for {options.software.slug} on {gpu.name}: the table of "
                 f"{measured.stack_slug} (same card and CUDA) gives the central floor and cuDNN "
