@@ -5,9 +5,10 @@ beside what the GPU measured, with the device range's coverage::
     python -m benchmarks.accuracy.gpu_table benchmarks/results/gpu-nvidia-h200-2026-11-27
     python -m benchmarks.accuracy.gpu_table DIR --only vgg16     # rows whose name has this
 
-Rows: the accuracy study's CSV (``accuracy/*.csv``, every workload ran in one process) and
-the fresh-process ``vramplan measure --json`` outputs (``rows/*.json``), and CNN runs under
-``cudnn.benchmark = True`` (``rows/cudnn_benchmark_on.jsonl``). The estimate runs
+Rows: the accuracy study's CSV (``accuracy/*.csv``: the H200's ran every workload in one
+process, later harvests' a fresh process each), the fresh-process ``vramplan measure --json``
+outputs (``rows/*.json``), and CNN runs under ``cudnn.benchmark = True``
+(``rows/cudnn_benchmark_on.jsonl``). The estimate runs
 with ``--gpu`` the measured card, ``--stack`` its torch and CUDA (so the harvest's measured
 table applies) and ``--used-counter nvml-v2``: ``measure`` read NVML's per-process memory,
 which holds no driver reserve. Issue 13's bar for a committed table: median absolute error
