@@ -481,3 +481,26 @@ def test_measure_case_records_every_pass_twice_with_stubbed_recording(monkeypatc
     assert all(r["workspace_bytes"] == 3 * MiB and r["cached_workspace_bytes"] == 3 * MiB
                for r in data)  # fmt: skip
     json.dumps(records)  # every record is plain JSON
+
+
+def test_a_device_row_is_a_real_measure_run_that_gpu_table_reads(tmp_path):
+    """One row through the real CLI (on this machine's device) and back through the table's
+    reader; the rows the budget leaves no time for are recorded, not run."""
+    from benchmarks.accuracy.gpu_table import measure_rows as read_rows
+    from benchmarks.gpu_harvest.device_rows import DEVICE_ROWS, DeviceRow, measure_rows
+
+    model_file = tmp_path / "mlp.py"
+    model_file.write_text(
+        "from torch import nn\n"
+        "def mlp():\n"
+        "    return nn.Sequential(nn.Linear(64, 256), nn.ReLU())\n"
+    )
+    tiny = DeviceRow("mlp", f"{model_file}:mlp", ("-b", "4", "-o", "sgd"))
+    (result,) = measure_rows(tmp_path / "rows", jobs=2, budget_s=300, rows=(tiny,))
+    assert "error" not in result, result
+    (row,) = read_rows(tmp_path / "rows")
+    assert row.name == "mlp" and row.recipe.batch_size == 4 and row.measured["allocated"] > 0
+    skipped = measure_rows(tmp_path / "late", jobs=2, budget_s=10, rows=DEVICE_ROWS[:3])
+    assert [r["error"] for r in skipped] == ["skipped: the budget was spent"] * 3
+    assert not (tmp_path / "late").exists()
+    assert len({r.name for r in DEVICE_ROWS}) == len(DEVICE_ROWS)

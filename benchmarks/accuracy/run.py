@@ -4,10 +4,13 @@ summary (median and 95th-percentile absolute relative error, worst under-predict
     python -m benchmarks.accuracy.run                 # every workload, on cuda if present
     python -m benchmarks.accuracy.run --quick         # the first 8
     python -m benchmarks.accuracy.run --device cpu --only gpt2
+    python -m benchmarks.accuracy.run --device cuda --jobs 4   # four fresh processes at once
 
 On the CPU it measures CPU execution against ``target="cpu"`` estimates (peak live tensor
 bytes); on a GPU it measures CUDA (allocated, reserved, device total) against the default
-CUDA-emulating estimates.
+CUDA-emulating estimates. On CUDA each workload runs in a fresh process, ``--jobs`` of them
+at once: each process reads its own ``max_memory_*`` and NVML per-process figures, so
+concurrent workloads do not see each other's memory while the card holds them all.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ import multiprocessing
 import platform
 import statistics
 import time
-from concurrent.futures import ProcessPoolExecutor
+from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor, as_completed
 from concurrent.futures.process import BrokenProcessPool
 from pathlib import Path
 
@@ -133,6 +137,21 @@ def run_fresh(row: dict, device: str) -> dict:
         return {**{k: row[k] for k in COLUMNS if k in row}, "status": f"failed: {exc}"}
 
 
+def run_all(
+    workloads: list[dict], device: str, fresh: bool, jobs: int = 1
+) -> Iterator[tuple[int, dict]]:
+    """(index, result) of every workload as each finishes: in this process one after the
+    other, or each in a fresh process (``run_fresh``), ``jobs`` at a time."""
+    if not fresh:
+        for index, row in enumerate(workloads):
+            yield index, run_one(row, device)
+        return
+    with ThreadPoolExecutor(max(1, jobs)) as threads:
+        futures = {threads.submit(run_fresh, row, device): i for i, row in enumerate(workloads)}
+        for future in as_completed(futures):
+            yield futures[future], future.result()
+
+
 def summarise(rows: list[dict]) -> list[str]:
     lines = [
         "| figure | workloads | median abs error | p95 abs error | worst under-prediction "
@@ -181,6 +200,9 @@ def main() -> None:
         action="store_true",
         help="run every workload in this process (on CUDA each gets a fresh one by default)",
     )
+    parser.add_argument(
+        "--jobs", type=int, default=1, help="fresh processes at once (CUDA; default 1)"
+    )
     options = parser.parse_args()
     fresh = options.device == "cuda" and not options.same_process
     workloads = load_workloads()
@@ -190,16 +212,17 @@ def main() -> None:
         workloads = workloads[:8]
     stamp = datetime.date.today().isoformat()
     options.output.mkdir(parents=True, exist_ok=True)
-    rows, path = [], None
-    for row in workloads:
-        result = run_fresh(row, options.device) if fresh else run_one(row, options.device)
-        rows.append(result)
+    done: dict[int, dict] = {}
+    path = None
+    for index, result in run_all(workloads, options.device, fresh, options.jobs):
+        done[index] = result
         error = result.get("error_allocated")
         print(
-            f"{row['name']:<28} {result['status']:<6} allocated error "
+            f"{workloads[index]['name']:<28} {result['status']:<6} allocated error "
             f"{'' if error is None else f'{float(error):+.2%}'}",
             flush=True,
         )
+        rows = [done[i] for i in sorted(done)]  # the workloads' order, whatever finished first
         path = _write_csv(rows, options, stamp)  # after every workload: a cut-off run keeps it
     if path is None:
         return

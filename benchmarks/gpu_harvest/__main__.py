@@ -1,5 +1,6 @@
 """Harvest one CUDA GPU: process floor, NVML counters, cuBLAS and cuDNN workspaces, a
-calibration profile and the accuracy study, in about ten minutes::
+calibration profile, fresh-process ``vramplan measure`` rows of published setups
+(``device_rows.py``) and the accuracy study, in about ten minutes::
 
     python -m benchmarks.gpu_harvest                      # everything
     python -m benchmarks.gpu_harvest --quick --skip-study # a few minutes
@@ -25,6 +26,10 @@ from benchmarks.gpu_harvest.child import ROOT
 RESULTS = ROOT / "benchmarks" / "results"
 MEASURED = ROOT / "src" / "vramplan" / "data" / "measured"
 BUDGET_S = 570.0
+TWO_ROWS_AT_ONCE = 70 * 2**30
+"""Cards this large run two fresh measure rows at once: the largest (VGG-16 at batch 128,
+TinyLlama in fp32 with AdamW) take about 25 GB each, and a cuDNN engine that fails to
+allocate falls to the next, which would change what a row measures."""
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
@@ -37,6 +42,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--budget-s", type=float, default=BUDGET_S, help="the study ends by then (seconds)"
     )
+    parser.add_argument(
+        "--jobs", type=int, default=4, help="the study's fresh processes at once (default 4)"
+    )
+    parser.add_argument("--skip-rows", action="store_true", help="no fresh measure rows")
     return parser.parse_args(argv)
 
 
@@ -132,7 +141,7 @@ def _conv(harvest: Harvest) -> dict:
 
 
 def run(options: argparse.Namespace) -> int:
-    from benchmarks.gpu_harvest import assemble, floor, measured_format, nvml, study
+    from benchmarks.gpu_harvest import assemble, device_rows, floor, measured_format, nvml, study
     from benchmarks.gpu_harvest.child import run_child
 
     harvest = Harvest(options)
@@ -159,10 +168,18 @@ def run(options: argparse.Namespace) -> int:
         )
     except (ValueError, KeyError, TypeError) as exc:
         harvest.section("measured", {"error": f"{type(exc).__name__}: {exc}"})
+    if not options.skip_rows:
+        left = options.budget_s - harvest.elapsed()
+        jobs = 2 if harvest.data["device"].get("total_memory", 0) >= TWO_ROWS_AT_ONCE else 1
+        rows = device_rows.measure_rows(harvest.folder / "rows", jobs, budget_s=left / 2)
+        harvest.section("rows", rows)
     if not options.skip_study:
         timeout = max(120.0, options.budget_s - harvest.elapsed())
         harvest.section(
-            "study", study.run_accuracy_study(harvest.folder / "accuracy", options.quick, timeout)
+            "study",
+            study.run_accuracy_study(
+                harvest.folder / "accuracy", options.quick, timeout, options.jobs
+            ),
         )
     print(f"wrote {harvest.folder / 'harvest.json'} and harvest.md")
     if "path" in harvest.data["measured"]:

@@ -147,13 +147,36 @@ def _conv(harvest: dict) -> list[str]:
     return [*lines, "### Largest workspaces", "", *_table(header, rows)]
 
 
+FIGURES = ("allocated", "reserved", "device_total")
+
+
 def _runs(harvest: dict) -> list[str]:
     lines = ["## Calibration and accuracy study", ""]
     calibrate = harvest.get("calibrate", {})
     lines.append(f"- calibrate: {calibrate.get('path') or calibrate.get('error') or 'not run'}")
     study = harvest.get("study", {})
     lines.append(f"- accuracy study: {study.get('csv') or study.get('error') or 'not run'}")
-    return [*lines, ""]
+    lines.append("")
+    rows = harvest.get("rows", [])
+    if rows:
+        lines += ["## Fresh-process measure rows (estimate on the card, its errors)", ""]
+        lines += _table(
+            ["row", "seconds", "allocated", "reserved", "device total", "error"],
+            [
+                [
+                    row["name"],
+                    row.get("seconds"),
+                    *(_percent(row.get("errors", {}).get(f)) for f in FIGURES),
+                    row.get("error", ""),
+                ]
+                for row in rows
+            ],
+        )
+    return lines
+
+
+def _percent(value) -> str:
+    return "" if value is None else f"{value:+.1%}"
 
 
 def markdown(harvest: dict) -> str:

@@ -44,10 +44,11 @@ def _run(command: list[str], timeout: float) -> dict:
     return out
 
 
-def run_accuracy_study(folder: Path, quick: bool, timeout: float) -> dict:
-    """The accuracy study on CUDA, its CSV and summary written under ``folder``."""
+def run_accuracy_study(folder: Path, quick: bool, timeout: float, jobs: int = 1) -> dict:
+    """The accuracy study on CUDA, ``jobs`` fresh processes at a time, its CSV and summary
+    written under ``folder``."""
     command = [sys.executable, "-m", "benchmarks.accuracy.run", "--device", "cuda"]
-    command += ["--output", str(folder)] + (["--quick"] if quick else [])
+    command += ["--output", str(folder), "--jobs", str(jobs)] + (["--quick"] if quick else [])
     out = _run(command, timeout)
     csv_path = written_path(out.get("stdout", ""))
     if csv_path:
