@@ -291,6 +291,32 @@ def test_the_h100_and_h200_harvests_measured_the_same_cudnn_workspaces():
     assert pcie.sibling and pcie.workspaces in (h100.workspaces, h200.workspaces)
 
 
+def test_an_inference_step_reads_the_forward_gemm_stage_of_a_table(tmp_path, monkeypatch):
+    """Lazy loading loads only the kernels a process calls: with a harvest's forward-only
+    GEMM stage, inference takes it, training the whole GEMM stage; the high end keeps the
+    whole stage either way."""
+    import json
+
+    import torch
+
+    monkeypatch.setenv(MEASURED_DIR_ENV, str(tmp_path))
+    path = _measured_file(tmp_path, ("2.5", "12.4"), 0, 300 * MiB)
+    data = json.loads(path.read_text())
+    data["floor"]["lazy"].update(gemm=640 * MiB, gemm_forward=560 * MiB, conv=520 * MiB)
+    path.write_text(json.dumps(data))
+    model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 30 * 30, 10))
+    session = Session(
+        model, example_batch=torch.randn(4, 3, 32, 32), gpu="a100-40gb", stack="torch2.5-cu12.4"
+    )
+    train = session.estimate(batch_size=4)
+    infer = session.estimate(batch_size=4, mode="infer")
+    assert train.runtime["cublas_kernels"] == 140 * MiB
+    assert infer.runtime["cublas_kernels"] == 60 * MiB
+    assert infer.runtime["cudnn_kernels"] == train.runtime["cudnn_kernels"] == 20 * MiB
+    high_above = infer.peak.device_total_range_bytes[1] - infer.peak.device_total_bytes
+    assert high_above >= 80 * MiB  # the whole GEMM stage's 140 MiB at the high end
+
+
 def test_eager_module_loading_raises_the_floor():
     lazy = _estimate(gpu="a100-40gb", stack="torch2.5-cu12.4")
     eager = _estimate(gpu="a100-40gb", stack="torch1.12-cu11.6")

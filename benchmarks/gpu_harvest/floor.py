@@ -18,6 +18,7 @@ import time
 STAGES = {
     "init": "torch.cuda.init() and a one-element tensor",
     "gemm": "init, then fp32 and bf16 matmul forward and backward",
+    "gemm_forward": "init, then fp32 matmul and linear forward without autograd (inference)",
     "conv": "init, then fp32 and bf16 Conv2d forward and backward",
     "gemm_conv": "init, the GEMMs, then the convolutions (what a CNN training step loads)",
 }
@@ -48,6 +49,12 @@ def _gemms(torch) -> None:
         (a @ a).sum().backward()
 
 
+def _forward_gemms(torch) -> None:
+    with torch.no_grad():
+        a = torch.randn(256, 256, device="cuda")
+        torch.nn.functional.linear(a @ a, a, a[0])
+
+
 def _convs(torch) -> None:
     for dtype in (torch.float32, torch.bfloat16):
         conv = torch.nn.Conv2d(16, 16, 3, padding=1).to("cuda", dtype)
@@ -66,6 +73,8 @@ def run_stage(stage: str) -> dict:
     torch.ones(1, device="cuda")
     if stage in ("gemm", "gemm_conv"):
         _gemms(torch)
+    if stage == "gemm_forward":
+        _forward_gemms(torch)
     if stage in ("conv", "gemm_conv"):
         _convs(torch)
     torch.cuda.synchronize()

@@ -121,7 +121,10 @@ def outside_allocator(
     elif variant != "central" and gpu.vendor == "nvidia":
         low, high = context_table["range_bytes"]
         context = min(context, low) if variant == "low" else max(context, high)
-    floor = floor_terms(measured.floor, not eager) if measured is not None else {}
+    # forward-only matmuls load fewer kernels; the high end keeps the whole GEMM stage
+    # (the forward stage is fp32: a bf16 inference step may load other kernels)
+    forward_only = variant != "high" and not uses_matmul(trace, Phase.BACKWARD)
+    floor = floor_terms(measured.floor, not eager, forward_only) if measured is not None else {}
     if measured is not None and not measured.exact and variant != "central":
         # another PyTorch's table: its floor is the central reading, the model's the ends
         pick = min if variant == "low" else max
