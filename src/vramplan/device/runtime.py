@@ -106,10 +106,13 @@ def outside_allocator(
     # Eager loading loads a library's every kernel: its central reading takes the high
     # end, its high reading the largest eager cuBLAS image measured; the low end is kept.
     reading = "high" if eager and variant != "low" else variant
-    cublas = _pick(images["cublas_range_bytes"], reading) if matmuls else 0
+    measured_images = images["by_family"].get(gpu.family, {}) if reading == "central" else {}
+    cublas = measured_images.get("cublas_bytes", _pick(images["cublas_range_bytes"], reading))
+    cublas = cublas if matmuls else 0
     if eager and variant == "high" and matmuls:
         cublas = max(cublas, images["eager_cublas_high_bytes"])
-    cudnn = _pick(images["cudnn_range_bytes"], reading) if convs else 0
+    cudnn = measured_images.get("cudnn_bytes", _pick(images["cudnn_range_bytes"], reading))
+    cudnn = cudnn if convs else 0
     if profile is not None:
         cudnn = cudnn if convs and not profile.cudnn_loaded else 0
         cublas = cublas if matmuls and not profile.cublas_loaded else 0
