@@ -80,7 +80,9 @@ def answer_plan(
     ]
     cards = catalog() if judge_every_gpu else (bench.device.card,)
     fleet = gpus_that_fit(bench, recipe, options, cards)
-    ram = host_memory(levers.baseline, host, levers.baseline.details.get("optimizer_state_bytes"))
+    details = levers.baseline.details  # under ZeRO-Offload, the layout's host share
+    offloaded = details.get("parallel", {}).get("host_state_bytes")
+    ram = host_memory(levers.baseline, host, offloaded or details.get("optimizer_state_bytes"))
     return PlanAnswer(
         levers,
         tuple(fleet),
