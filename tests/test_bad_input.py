@@ -354,6 +354,10 @@ ESTIMATE_ONLY = [
     ("pp-beyond-layers", ["--pp", "5"], "larger than the 2 layers"),
     ("microbatches-zero", ["--pp", "2", "--microbatches", "0"], "at least 1"),
     ("sp-without-tp", ["--sp"], "--sp needs --tp"),
+    ("shard-without-world-size", ["--shard", "grad-op"], "goes with --world-size"),
+    ("shard-with-fsdp", ["--fsdp", "2", "--shard", "none"], "goes with --world-size"),
+    ("reshard-alone", ["--no-reshard-after-forward"], "goes with --fsdp N"),
+    ("fsdp-version-alone", ["--fsdp-version", "1"], "goes with FSDP sharding"),
     # TensorFlow's runtime (device/tensorflow.py)
     ("tf-growth-alone", ["--tf-memory-growth"], "need --framework tensorflow"),
     ("tf-limit-alone", ["--tf-memory-limit", "8GiB"], "need --framework tensorflow"),
@@ -363,11 +367,20 @@ ESTIMATE_ONLY = [
 ]
 for name, flags, expected in ESTIMATE_ONLY:
     case(f"estimate-{name}", ["estimate", T, *flags], expected)
-# max-batch and plan take TensorFlow's runtime too (issue 20)
+# max-batch and plan take TensorFlow's runtime too (issue 20), and the parallel layout
+LAYOUT_CASES = ("fsdp", "world", "shard", "reshard", "zero", "tp", "pp", "microbatches", "sp")
 for command in ("max-batch", "plan"):
     for name, flags, expected in ESTIMATE_ONLY:
         if name.startswith("tf-limit") or name in ("tf-growth-alone", "framework"):
             case(f"{command}-{name}", [command, T, *CARD, *flags], expected)
+        layout = name.startswith(LAYOUT_CASES) and name != "zero-grad"
+        if layout or (command == "max-batch" and name == "offload-alone"):
+            case(f"{command}-{name}", [command, T, *CARD, *flags], expected)
+    case(
+        f"{command}-layout-tensorflow",
+        [command, T, *CARD, "--fsdp", "2", "--framework", "tensorflow"],
+        "judged on one GPU here",
+    )
 
 # -- generation and serving (issue 21) ---------------------------------------------------------
 GEN = ["--mode", "generate"]

@@ -30,22 +30,32 @@ def llama(tmp_path_factory) -> str:
     return f"hf:{path}"
 
 
-_PEAKS: dict[tuple[str, ...], tuple[int, list[str]]] = {}
+_ESTIMATES: dict[tuple[str, ...], dict] = {}
+RANK = ("--fsdp", "2", "--gpu", "a100-80gb", "--full-trace")
 
 
 @pytest.fixture
-def peak(run_cli, llama):
-    """``peak(*flags)``: the allocated peak of one rank of ``--fsdp 2`` and its notes (each
-    set of flags traced once in this module)."""
+def estimate(run_cli, llama):
+    """``estimate(*flags)``: the JSON estimate of one rank of ``--fsdp 2`` (each set of
+    flags traced once in this module)."""
+
+    def run(*flags: str) -> dict:
+        if flags not in _ESTIMATES:
+            code, out, err = run_cli("estimate", llama, *STEP, *RANK, "--json", *flags)
+            assert code == 0, err
+            _ESTIMATES[flags] = json.loads(out)
+        return _ESTIMATES[flags]
+
+    return run
+
+
+@pytest.fixture
+def peak(estimate):
+    """``peak(*flags)``: the allocated peak of one rank of ``--fsdp 2`` and its notes."""
 
     def run(*flags: str) -> tuple[int, list[str]]:
-        if flags not in _PEAKS:
-            args = ("estimate", llama, *STEP, "--fsdp", "2", "--gpu", "a100-80gb", "--json")
-            code, out, err = run_cli(*args, "--full-trace", *flags)
-            assert code == 0, err
-            result = json.loads(out)
-            _PEAKS[flags] = result["peak"]["allocated_bytes"], result["notes"]
-        return _PEAKS[flags]
+        result = estimate(*flags)
+        return result["peak"]["allocated_bytes"], result["notes"]
 
     return run
 
@@ -62,6 +72,24 @@ def test_version_1_adds_the_hold_where_fsdp1_holds(peak, llama):
     assert v1 == held.peak.allocated_bytes
     assert v1 > v2  # the hold decides the peak here
     assert any(n.startswith("FSDP1: 3 frozen blocks recomputed by reentrant") for n in notes)
+
+
+def test_check_takes_the_version(run_cli, llama):
+    """``check --fsdp-version 1`` judges what ``estimate`` does under the same flags: the
+    hold FSDP1 adds (LoRA, reentrant checkpointing; 16 samples of 128 tokens, so that it
+    reaches the device total) makes its device total larger than FSDP2's."""
+    step = ("--batch-size", "16", "--seq-len", "128", "--checkpointing", "full", *LORA)
+    totals = {}
+    for version in ("1", "2"):
+        flags = (*step, "--reentrant", "--fsdp", "2", "--fsdp-version", version)
+        code, out, err = run_cli("check", llama, *flags, "--gpu", "a100-80gb", "--json")
+        assert code == 0, err
+        answer = json.loads(out)
+        assert answer["fits"] and answer["exit_code"] == 0
+        totals[version] = answer["device_total_bytes"]
+        code, out, err = run_cli("estimate", llama, *flags, "--gpu", "a100-80gb", "--json")
+        assert json.loads(out)["peak"]["device_total_bytes"] == totals[version]
+    assert totals["1"] > totals["2"]
 
 
 @pytest.mark.parametrize(
@@ -112,3 +140,26 @@ def test_training_arguments_set_the_version_and_reentrant_checkpointing():
     unset = read_training_args(values, {}, 4)  # transformers 5's defaults: FSDP2, non-reentrant
     assert not unset.recipe().reentrant and unset.layout().fsdp_version == 2
     assert any("give --reentrant" in note for note in unset.notes)
+
+
+@pytest.mark.parametrize(
+    ("transformers", "fsdp_config", "version"),
+    [
+        ("4.57.1", {}, 1),  # 4.x reads no version: accelerate's FSDP_VERSION, "1" unset
+        ("4.57.1", {"version": 2}, 1),  # ... not even one given
+        ("5.24.0", {}, 2),  # 5: fsdp_config.get("version", 2)
+        ("5.24.0", {"version": 1}, 1),
+        (None, {}, 2),  # a dump of unknown version: FSDP2, said in a note
+    ],
+)
+def test_training_arguments_version_follows_the_transformers_that_runs_them(
+    transformers, fsdp_config, version
+):
+    from vramplan.configs.training_args import read_training_args
+
+    values = {"fsdp": "full_shard", "fsdp_config": fsdp_config}
+    config = read_training_args(values, {}, 4, transformers_version=transformers)
+    assert config.layout().fsdp_version == version
+    unknown = [note for note in config.notes if "does not say which transformers" in note]
+    assert bool(unknown) == (transformers is None)
+    assert "fsdp_config.version" not in config.ignored

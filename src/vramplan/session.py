@@ -185,10 +185,17 @@ class Session:
 
     @_limited
     def max_batch(
-        self, recipe: Recipe | None = None, *, search: str = "batch_size", **knobs: Any
+        self,
+        recipe: Recipe | None = None,
+        *,
+        search: str = "batch_size",
+        layout: ParallelLayout | None = None,
+        **knobs: Any,
     ) -> SearchResult:
         """The largest batch (``search="seq_len"``: the longest context) that fits the card
-        with headroom, confirmed by tracing N (fits) and N + 1 (does not)."""
+        with headroom, confirmed by tracing N (fits) and N + 1 (does not). With a
+        ``layout``, the per-GPU batch whose rank fits, each judged as ``estimate`` judges
+        that layout."""
         knob = SEARCHES.get(search)
         if knob is None:
             raise UserError(
@@ -201,14 +208,14 @@ class Session:
             start = getattr(recipe, knob) or (recipe.seq_len if knob == "prompt_len" else None)
             if knob == "prompt_len":
                 recipe = recipe.with_changes(seq_len=None)
-            return largest_fitting(self._workbench(), recipe, knob, start=start)
+            return largest_fitting(self._workbench(layout=layout), recipe, knob, start=start)
         if knob == "seq_len" and not self._build(recipe).sequence:
             raise UserError(
                 f"--search seq-len: {self.name} has no sequence length to search "
                 "(its input is a fixed shape); search the batch size instead"
             )
         start = recipe.seq_len if knob == "seq_len" else None
-        return largest_fitting(self._workbench(), recipe, knob, start=start)
+        return largest_fitting(self._workbench(layout=layout), recipe, knob, start=start)
 
     @_limited
     def plan(
@@ -218,19 +225,24 @@ class Session:
         host_memory: str | int | None = None,
         workers: int = 4,
         offload_optimizer: bool = False,
+        layout: ParallelLayout | None = None,
         **knobs: Any,
     ) -> PlanAnswer:
         """The levers, each traced, the first plan that fits, host RAM, and the GPUs needed
-        when nothing fits one card. Without a card, every catalog GPU is judged."""
+        when nothing fits one card. Without a card, every catalog GPU is judged. With a
+        ``layout`` (the user's sharding), every figure is one rank's under it, and the
+        shardings that go further on the same GPUs join the levers."""
         recipe = self._recipe(recipe, knobs)
         limit = (
             parse_bytes(host_memory, "host memory", require_unit=True)
             if isinstance(host_memory, str)
             else host_memory
         )
+        if layout is not None and layout.offload_optimizer:
+            offload_optimizer = True  # ZeRO-Offload: the optimizer state is in host RAM
         host = HostOptions(workers=workers, limit_bytes=limit, offload_optimizer=offload_optimizer)
         every_gpu = self.device.gpu is None
-        bench = self._workbench(DEFAULT_GPU if every_gpu else None)
+        bench = self._workbench(DEFAULT_GPU if every_gpu else None, layout)
         return answer_plan(bench, recipe, judge_every_gpu=every_gpu, host=host)
 
     @_limited
@@ -357,22 +369,32 @@ class Session:
             )
         return built
 
-    def _workbench(self, default_gpu: str | None = None) -> Workbench:
-        """The trace cache on this session's card (or on ``default_gpu`` when none)."""
+    def _workbench(
+        self, default_gpu: str | None = None, layout: ParallelLayout | None = None
+    ) -> Workbench:
+        """The trace cache on this session's card (or on ``default_gpu`` when none), its
+        estimates one rank's of ``layout`` (one GPU when None)."""
+        layout = layout or ParallelLayout()
+        if layout != ParallelLayout() and self.framework == "tensorflow":
+            raise UserError(
+                "--framework tensorflow is judged on one GPU here: leave the parallel layout "
+                "out, or use estimate"
+            )
 
         def build(_name: str, recipe: Recipe) -> BuiltModel:
             return self._build(recipe)
 
         if default_gpu is not None and self.device.gpu is None:
             options = replace(self.device, gpu=lookup_gpu(default_gpu))
-            return Workbench(
+            bench = Workbench(
                 self.name, options, build, self.log, self._runtime_finish(), jobs=self.jobs
             )
+            return bench.under(layout)
         if self._bench is None:
             self._bench = Workbench(
                 self.name, self.device, build, self.log, self._runtime_finish(), jobs=self.jobs
             )
-        return self._bench
+        return self._bench.under(layout)
 
     def _runtime_finish(self):
         """TensorFlow's runtime over each traced step when ``framework="tensorflow"``, so

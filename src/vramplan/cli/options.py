@@ -265,7 +265,11 @@ ReshardOpt = Annotated[
 ZeroOpt = Annotated[int | None, typer.Option("--zero", help="DeepSpeed ZeRO stage 1, 2 or 3.")]
 DpOpt = Annotated[int | None, typer.Option("--dp", help="Data-parallel GPUs for --zero.")]
 OffloadOptimizerOpt = Annotated[
-    bool, typer.Option("--offload-optimizer", help="ZeRO: optimizer state on the CPU.")
+    bool,
+    typer.Option(
+        "--offload-optimizer",
+        help="ZeRO: optimizer state on the CPU (plan without --zero: counted in host RAM).",
+    ),
 ]
 OffloadParamsOpt = Annotated[
     bool, typer.Option("--offload-params", help="ZeRO-3: parameters on the CPU.")
@@ -783,23 +787,24 @@ NumClassesOpt = Annotated[
 MODEL_INPUT_OPTIONS = ("attention", "moe_routing", "experts", "target_len", "num_classes")
 # -- the parallel layout (distributed/options.py) --------------------------------------------
 
-LAYOUT_OPTIONS = (
-    "fsdp",
-    "world_size",
-    "shard",
-    "reshard_after_forward",
-    "zero",
-    "dp",
-    "offload_optimizer",
-    "offload_params",
-    "tp",
-    "sp",
-    "pp",
-    "microbatches",
-    "fsdp_version",
+LAYOUT = OptionGroup.of(
+    fsdp=(FsdpOpt, None),
+    world_size=(WorldSizeOpt, None),
+    shard=(ShardOpt, "full"),
+    reshard_after_forward=(ReshardOpt, True),
+    fsdp_version=(FsdpVersionOpt, 2),
+    zero=(ZeroOpt, None),
+    dp=(DpOpt, None),
+    offload_optimizer=(OffloadOptimizerOpt, False),
+    offload_params=(OffloadParamsOpt, False),
+    tp=(TpOpt, 1),
+    sp=(SpOpt, False),
+    pp=(PpOpt, 1),
+    microbatches=(MicrobatchesOpt, 1),
 )
+"""The parallel layout a command judges one rank of: ``@with_options(..., LAYOUT)``."""
 
 
 def layout_from_options(options: dict) -> vramplan.ParallelLayout:
     """The ParallelLayout a command's layout options ask for (read by name from ``options``)."""
-    return vramplan.parallel_layout(**{name: options[name] for name in LAYOUT_OPTIONS})
+    return vramplan.parallel_layout(**{name: options[name] for name in LAYOUT.names})

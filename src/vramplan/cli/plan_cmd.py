@@ -14,6 +14,7 @@ from vramplan.cli.app import app
 from vramplan.cli.config_options import ConfigOpt, OptionalModel, config_lines, with_config
 from vramplan.cli.options import (
     FINETUNING,
+    LAYOUT,
     AllocConfOpt,
     AllowCustomObjectsOpt,
     AttentionOpt,
@@ -62,6 +63,7 @@ from vramplan.cli.options import (
     TrustRemoteCodeOpt,
     UnitsOpt,
     UsedCounterOpt,
+    layout_from_options,
     recipe_from_options,
     session_from_options,
     with_options,
@@ -92,14 +94,10 @@ JobsOpt = Annotated[
         "trace at a time). The answer is the same; only the wall-clock changes.",
     ),
 ]
-OffloadOpt = Annotated[
-    bool,
-    typer.Option("--offload-optimizer", help="Count the optimizer state as offloaded to the host."),
-]
 
 
 @app.command("max-batch")
-@with_options(*FINETUNING)
+@with_options(*FINETUNING, LAYOUT)
 def max_batch_command(
     ctx: typer.Context,
     model: OptionalModel = None,
@@ -154,13 +152,15 @@ def max_batch_command(
     quiet: QuietOpt = False,
     **shared,
 ) -> int:
-    """The largest batch (or --search seq-len: the longest context) that fits the card."""
+    """The largest batch (or --search seq-len: the longest context) that fits the card;
+    with a parallel layout (--fsdp N, --zero N...), the per-GPU batch whose rank fits."""
     check_units(units)
     options, training_config = with_config({**locals(), **shared}, ctx)
     recipe = recipe_from_options(options)
+    layout = layout_from_options(options)
     with trace_progress(progress_wanted(json_output, quiet)) as progress:
         session = session_from_options(options, progress=progress)
-        result = session.max_batch(recipe, search=search)
+        result = session.max_batch(recipe, search=search, layout=layout)
     lines = config_lines(training_config, options)
     if json_output:
         print_json({**result.to_json(), **({"config": list(lines)} if lines else {})})
@@ -171,7 +171,7 @@ def max_batch_command(
 
 
 @app.command("plan")
-@with_options(*FINETUNING)
+@with_options(*FINETUNING, LAYOUT)
 def plan_command(
     ctx: typer.Context,
     model: OptionalModel = None,
@@ -208,7 +208,6 @@ def plan_command(
     used_counter: UsedCounterOpt = "nvml-v1",
     host_memory_limit: HostMemoryOpt = None,
     workers: WorkersOpt = 4,
-    offload_optimizer: OffloadOpt = False,
     html: HtmlOpt = None,
     plot: PlotOpt = None,
     jobs: JobsOpt = None,
@@ -224,10 +223,15 @@ def plan_command(
     **shared,
 ) -> int:
     """Rank the levers that cut memory and give the first plan that fits; without --gpu,
-    judge every catalog GPU."""
+    judge every catalog GPU. With a parallel layout (--fsdp N, --zero N...), from one
+    rank of it."""
     check_units(units)
     options, training_config = with_config({**locals(), **shared}, ctx)
     recipe = recipe_from_options(options)
+    # without --zero, --offload-optimizer counts the optimizer state in host RAM only
+    host_offload = options["offload_optimizer"]
+    zero_offload = host_offload and options["zero"] is not None
+    layout = layout_from_options({**options, "offload_optimizer": zero_offload})
     check_report_paths(html, plot)
     with trace_progress(progress_wanted(json_output, quiet)) as progress:
         session = session_from_options(options, progress=progress)
@@ -235,10 +239,11 @@ def plan_command(
             recipe,
             host_memory=host_memory_limit,
             workers=workers,
-            offload_optimizer=offload_optimizer,
+            offload_optimizer=host_offload,
+            layout=layout,
         )
         baseline = answer.levers.baseline
-        points = session.batch_curve_points(baseline)
+        points = session.batch_curve_points(baseline, layout)
         curve = batch_curve_for(baseline, points) if html else None
     if html or plot:
         write_reports(

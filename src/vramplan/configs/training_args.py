@@ -94,7 +94,38 @@ def _reentrant(fields: Fields, path: str) -> None:
         )
 
 
-def _fsdp(fields: Fields, world_size: int) -> None:
+def _fsdp_version(fields: Fields, transformers_version: str | None) -> None:
+    """Which FSDP the Trainer runs. transformers 5 reads ``fsdp_config.version``, 2 when
+    unset (``TrainingArguments._process_fsdp_args``: ``int(self.fsdp_config.get("version",
+    2))``, 5.24). transformers 4.x never reads it (4.57.1's ``__post_init__`` exports the
+    other ``fsdp_config`` keys as ``FSDP_*`` variables, not a version): accelerate's
+    ``FullyShardedDataParallelPlugin`` takes ``FSDP_VERSION`` from ``accelerate launch``,
+    "1" when unset (1.15), so FSDP1 unless the launch says otherwise. A dump from
+    ``to_dict()`` does not say which transformers wrote it: unknown keeps version 2 (or
+    the one set) and says so."""
+    path = "fsdp_config.version"
+    version = fields.get(path)
+    if version is not None and str(version) not in ("1", "2"):
+        raise UserError(f"fsdp_config.version must be 1 or 2, got {version!r}")
+    major = None if transformers_version is None else int(transformers_version.split(".")[0])
+    if major is not None and major < 5:
+        why = (
+            f"transformers {transformers_version} reads no version: accelerate's "
+            "FSDP_VERSION, 1 unless the launch sets it"
+        )
+        fields.honour(path, "fsdp_version", 1, why)
+        return
+    if version is not None:
+        fields.honour(path, "fsdp_version", int(version))
+    elif major is None:
+        fields.notes.append(
+            f"{path}: unset, FSDP2 as transformers 5 runs it; the dump does not say which "
+            "transformers wrote it, and 4.x ran FSDP1 (accelerate's default): give "
+            "--fsdp-version 1 for it"
+        )
+
+
+def _fsdp(fields: Fields, world_size: int, transformers_version: str | None) -> None:
     value = fields.get("fsdp")
     if not value:
         return
@@ -108,20 +139,20 @@ def _fsdp(fields: Fields, world_size: int) -> None:
         fields.honour("fsdp", "shard", "grad-op")
     else:
         fields.honour("fsdp", "fsdp", world_size, "FSDP over the processes")
-    version = fields.get("fsdp_config.version")
-    if version is not None:  # unset: transformers 5's TrainingArguments runs FSDP2
-        if str(version) not in ("1", "2"):
-            raise UserError(f"fsdp_config.version must be 1 or 2, got {version!r}")
-        fields.honour("fsdp_config.version", "fsdp_version", int(version))
+    _fsdp_version(fields, transformers_version)
     if fields.get("fsdp_config.activation_checkpointing") is True:
         fields.honour("fsdp_config.activation_checkpointing", "checkpointing", "full")
 
 
 def read_training_args(
-    values: dict[str, Any], defaults: dict[str, Any] | None = None, world_size: int = 1
+    values: dict[str, Any],
+    defaults: dict[str, Any] | None = None,
+    world_size: int = 1,
+    transformers_version: str | None = None,
 ) -> TrainingConfig:
     """The TrainingConfig of ``TrainingArguments.to_dict()`` (``defaults``: the same of
-    default arguments, whose unchanged fields are left out; ``world_size``: processes)."""
+    default arguments, whose unchanged fields are left out; ``world_size``: processes;
+    ``transformers_version``: the transformers that runs them, None when not known)."""
     defaults = defaults or {}
     data = {k: v for k, v in values.items() if k in READ or k not in defaults or defaults[k] != v}
     fields = Fields(data)
@@ -154,7 +185,7 @@ def read_training_args(
             fields.honour(path, "seq_len", length)
             break
     _compile(fields, autocast=bool(bf16 or fp16))
-    _fsdp(fields, world_size)
+    _fsdp(fields, world_size, transformers_version)
     ds = _deepspeed(values.get("deepspeed"), fields)
     for path, reason in _NOT_MODELLED.items():
         if fields.has(path) and fields.peek(path) not in (None, False, [], ""):

@@ -51,12 +51,15 @@ class GpusNeeded:
         }
 
 
-def gpus_needed(estimate: Estimate, facts: ModelFacts, host_limit: int | None = None) -> GpusNeeded:
-    """Search world sizes 1, 2, 4, ... for the first layout whose every rank fits (and,
-    with ``host_limit``, whose offloaded state fits the host's RAM)."""
+def gpus_needed(
+    estimate: Estimate, facts: ModelFacts, host_limit: int | None = None, start: int = 1
+) -> GpusNeeded:
+    """Search world sizes ``start``, 2 × ``start``, ... (1, 2, 4, ... by default) for the
+    first layout whose every rank fits (and, with ``host_limit``, whose offloaded state
+    fits the host's RAM); ``estimate`` is the single-GPU step's."""
     if estimate.verdict is None:
         raise UserError("counting GPUs needs a card: give --gpu NAME or --gpu-memory SIZE")
-    gpus = 1
+    gpus = start
     while gpus <= MAX_GPUS:
         for strategy in STRATEGIES:
             if gpus == 1 and strategy.shard != "none":

@@ -44,6 +44,13 @@ def layout_from_flags(
         raise UserError("--offload-optimizer/--offload-params go with --zero")
     if shard not in ("full", "grad-op", "none"):
         raise UserError(f"unknown --shard {shard!r}; choose full, grad-op or none")
+    if shard != "full" and world_size is None:
+        raise UserError(
+            f"--shard {shard} goes with --world-size N (--fsdp N is full sharding; "
+            "--fsdp N --no-reshard-after-forward is grad-op)"
+        )
+    if not reshard_after_forward and fsdp is None and world_size is None:
+        raise UserError("--no-reshard-after-forward goes with --fsdp N or --world-size N")
     sharding, degree = "none", 1
     if fsdp is not None or world_size is not None:
         degree = fsdp if fsdp is not None else world_size

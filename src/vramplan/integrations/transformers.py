@@ -17,6 +17,7 @@ and DeepSpeed / FSDP settings; ``seq_len`` is the longest sample your collator m
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any
 
 from torch import nn
@@ -35,7 +36,12 @@ def training_args_config(args: Any, seq_len: int | None = None) -> TrainingConfi
     """What ``args`` (a ``TrainingArguments``, or trl's ``SFTConfig``) asks of the step."""
     if not hasattr(args, "to_dict") or not hasattr(args, "per_device_train_batch_size"):
         raise UserError(f"expected transformers' TrainingArguments, got {type(args).__name__}")
-    config = read_training_args(args.to_dict(), _defaults(args), world_size=max(1, args.world_size))
+    config = read_training_args(
+        args.to_dict(),
+        _defaults(args),
+        world_size=max(1, args.world_size),
+        transformers_version=_transformers_version(args),
+    )
     if seq_len is not None:
         config = config.with_flags(seq_len=seq_len)
     if "seq_len" not in config.options:
@@ -44,6 +50,14 @@ def training_args_config(args: Any, seq_len: int | None = None) -> TrainingConfi
             "do not say)"
         )
     return config
+
+
+def _transformers_version(args: Any) -> str | None:
+    """The version of the transformers that will run ``args`` (a ``TrainingArguments`` or
+    trl's subclass of it), or None for arguments of another kind."""
+    if not type(args).__module__.startswith(("transformers.", "trl.")):
+        return None
+    return getattr(sys.modules.get("transformers"), "__version__", None)
 
 
 def _defaults(args: Any) -> dict[str, Any]:
@@ -111,13 +125,13 @@ def estimate_evaluation(
 def largest_batch(
     model: nn.Module, args: Any, *, seq_len: int | None = None, **device: Any
 ) -> SearchResult:
-    """The largest ``per_device_train_batch_size`` that fits one GPU with the headroom kept
-    free, confirmed by tracing N (fits) and N + 1 (does not). Under FSDP or ZeRO each GPU
-    holds less than this single-GPU step, so the answer is on the safe side."""
+    """The largest ``per_device_train_batch_size`` that fits each GPU with the headroom
+    kept free, confirmed by tracing N (fits) and N + 1 (does not); under the FSDP, ZeRO or
+    DDP layout ``args`` name, one rank's step, as ``estimate_training_args`` judges it."""
     if device.get("gpu") is None and device.get("gpu_memory") is None:
         raise UserError("give the card: gpu='a10g' (or gpu_memory='24GiB')")
     config = training_args_config(args, seq_len).with_flags(batch_size=1)
-    return _session(model, device).max_batch(config.recipe())
+    return _session(model, device).max_batch(config.recipe(), layout=config.layout())
 
 
 def safe_batch_size(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from vramplan.device.catalog import catalog
 from vramplan.distributed.facts import facts_of
+from vramplan.distributed.layout import ParallelLayout
 from vramplan.distributed.needed import GpusNeeded, gpus_needed
 from vramplan.errors import UserError
 from vramplan.planner.bench import Workbench
@@ -74,10 +75,14 @@ def answer_plan(
     needed, needed_note = None, ""
     if not judge_every_gpu and levers.baseline.verdict.status != "fits" and levers.plan is None:
         needed, needed_note = gpus_needed_for(bench, recipe, host.limit_bytes)
-    options = [*levers.levers, *([levers.plan] if levers.plan else [])]
+    options = [  # sharding levers change the layout: each card is judged at the user's
+        lever for lever in (*levers.levers, levers.plan) if lever and not lever.layout_flags
+    ]
     cards = catalog() if judge_every_gpu else (bench.device.card,)
     fleet = gpus_that_fit(bench, recipe, options, cards)
-    ram = host_memory(levers.baseline, host, levers.baseline.details.get("optimizer_state_bytes"))
+    details = levers.baseline.details  # under ZeRO-Offload, the layout's host share
+    offloaded = details.get("parallel", {}).get("host_state_bytes")
+    ram = host_memory(levers.baseline, host, offloaded or details.get("optimizer_state_bytes"))
     return PlanAnswer(
         levers,
         tuple(fleet),
@@ -96,17 +101,26 @@ def gpus_needed_for(
 ) -> tuple[GpusNeeded | None, str]:
     """GPUs needed as the recipe stands; failing that, with full checkpointing. An FSDP
     answer is then traced through FSDP2 itself; offload that overflows ``host_limit`` is
-    not an answer. Returns the answer and its condition, or ``None`` and why."""
-    facts = facts_of(bench.built(recipe))
+    not an answer. Under the bench's layout, from its data-parallel GPU count up. Returns
+    the answer and its condition, or ``None`` and why."""
+    layout = bench.layout
+    if layout.tensor_parallel > 1 or layout.pipeline_parallel > 1:
+        return None, (
+            "with tensor or pipeline parallelism, the GPUs-needed search (data parallelism "
+            "over one-GPU steps) does not apply"
+        )
+    single = bench.under(ParallelLayout())
+    facts = facts_of(single.built(recipe))
+    start = layout.data_parallel
     try:
-        answer = gpus_needed(bench.estimate(recipe), facts, host_limit)
-        return traced_answer(bench, answer, recipe), ""
+        answer = gpus_needed(single.estimate(recipe), facts, host_limit, start)
+        return traced_answer(single, answer, recipe), ""
     except UserError as exc:
         if recipe.checkpointing == "full" or not recipe.is_training:
             return None, str(exc)
     checkpointed = recipe.with_changes(checkpointing="full")
     try:
-        answer = gpus_needed(bench.estimate(checkpointed), facts, host_limit)
-        return traced_answer(bench, answer, checkpointed), "with --checkpointing full"
+        answer = gpus_needed(single.estimate(checkpointed), facts, host_limit, start)
+        return traced_answer(single, answer, checkpointed), "with --checkpointing full"
     except UserError as exc:
         return None, str(exc)

@@ -23,6 +23,9 @@ from vramplan.device.measured import measured_for
 from vramplan.device.options import DeviceOptions
 from vramplan.device.profile import profile_for
 from vramplan.device.replay import apply_device
+from vramplan.distributed.facts import facts_of
+from vramplan.distributed.fsdp import engine_for, with_traced_layout
+from vramplan.distributed.layout import ModelFacts, ParallelLayout, check_layout, per_rank
 from vramplan.errors import UserError
 from vramplan.pipeline import (
     estimate_built,
@@ -141,7 +144,10 @@ class TraceLog:
 
 @dataclass
 class Workbench:
-    """Estimates of one model under varying recipes on one device setting."""
+    """Estimates of one model under varying recipes on one device setting, each one rank's
+    under ``layout`` (one GPU by default): FSDP traced through FSDP2 on a fake process
+    group, ZeRO/TP/PP by the layout formulas over the single-GPU trace, as
+    ``Session.estimate`` does with a layout."""
 
     model: str
     device: DeviceOptions
@@ -161,6 +167,9 @@ class Workbench:
     """Processes ``prefetch`` may trace in at once (``parallel.py``); 1: one at a time."""
     _workers: Any = None
     """The worker processes of ``side_by_side`` (``parallel.TraceWorkers``) while it runs."""
+    layout: ParallelLayout = field(default_factory=ParallelLayout)
+    """The parallel layout every estimate is one rank of."""
+    _facts: dict[str, ModelFacts] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.device.gpu is None:
@@ -210,7 +219,7 @@ class Workbench:
         trace; how many were traced so."""
         if self._workers is None:
             return 0
-        pending = {recipe_key(r): r for r in recipes if recipe_key(r) not in self._done}
+        pending = {self.key(r): r for r in recipes if self.key(r) not in self._done}
         return self._workers.trace(list(pending.values()))
 
     def keep(
@@ -224,7 +233,7 @@ class Workbench:
     ) -> None:
         """A recipe traced in a worker: its estimate and trace cached, its trace logged,
         the short traces it made shared with the bench's next estimates."""
-        self._done[recipe_key(recipe)] = estimate, trace
+        self._done[self.key(recipe)] = estimate, trace
         self._short_traces.update(short_traces)
         self.log.add(label, seconds)
 
@@ -241,22 +250,62 @@ class Workbench:
             built.short_traces = self._short_traces
         return built
 
+    def under(self, layout: ParallelLayout) -> Workbench:
+        """A bench of the same model and card whose estimates are ranks of ``layout``,
+        sharing this one's traces and log (a layout applied by formula reuses the single-GPU
+        traces); it traces one recipe at a time (the workers trace this bench's layout)."""
+        if layout == self.layout:
+            return self
+        return replace(self, layout=layout, _workers=None)
+
+    def key(self, recipe: Recipe) -> str:
+        """What a trace of ``recipe`` is cached under: the recipe, and the sharding engine
+        that traces it (none where the layout is one GPU or applied by formula)."""
+        engine = engine_for(self.layout)
+        return recipe_key(recipe) + ("" if engine is None else f" {engine}")
+
     def run(self, recipe: Recipe) -> tuple[Estimate, Trace]:
-        """The estimate and trace of ``recipe`` (traced once, then cached)."""
-        key = recipe_key(recipe)
+        """The estimate and trace of ``recipe`` as traced (traced once, then cached): one
+        GPU's, or under an FSDP layout one rank's (``estimate`` gives the rank's figures)."""
+        key = self.key(recipe)
         if key not in self._done:
             policy = flop_counting_policy(self.device) if self._counted(recipe) else None
+            engine = engine_for(self.layout)
+            device = self._traced_device()
+            what = "" if engine is None else f"FSDP rank of {engine.world_size}"
             estimate, trace = self.timed(
                 recipe,
-                lambda: trace_and_estimate(self.built(recipe), recipe, "cuda", self.device, policy),
+                lambda: trace_and_estimate(
+                    self.built(recipe), recipe, "cuda", device, policy, engine
+                ),
+                what,
             )
             if self.finish is not None:
-                estimate = self.finish(estimate, trace, self.device)
+                estimate = self.finish(estimate, trace, device)
             self._done[key] = estimate, trace
         return self._done[key]
 
     def estimate(self, recipe: Recipe) -> Estimate:
-        return self.run(recipe)[0]
+        return self.ranked(recipe, self.run(recipe)[0])
+
+    def ranked(self, recipe: Recipe, traced: Estimate) -> Estimate:
+        """``traced`` (``recipe``'s estimate as ``run`` traced it) as one rank of the
+        bench's layout."""
+        if self.layout == ParallelLayout():
+            return traced
+        facts = self._facts.get(recipe_key(recipe))
+        if facts is None:
+            facts = self._facts[recipe_key(recipe)] = facts_of(self.built(recipe))
+        check_layout(self.layout, facts)
+        if engine_for(self.layout) is not None:
+            return with_traced_layout(traced, self.layout)
+        return per_rank(traced, self.layout, facts)
+
+    def _traced_device(self, device: DeviceOptions | None = None) -> DeviceOptions:
+        """``device`` (the bench's) as the trace sees it: the FSDP engine's ranks."""
+        device = device or self.device
+        engine = engine_for(self.layout)
+        return device if engine is None else replace(device, data_parallel=engine.world_size)
 
     def _counted(self, recipe: Recipe) -> bool:
         return self.counts_flops and recipe.is_training
@@ -271,7 +320,7 @@ class Workbench:
             if FLOPS_KEY in counts:
                 return counts[FLOPS_KEY]
         policy = flop_counting_policy(self.device)
-        _, trace = self.timed(
+        _, trace = self.timed(  # one GPU's FLOPs: a rank computes the same at its batch
             recipe,
             lambda: trace_and_estimate(self.built(recipe), recipe, "cuda", self.device, policy),
             "FLOPs",
@@ -302,7 +351,10 @@ class Workbench:
             measured=measured_for(gpu.name, self.device.software.slug),
         )
         if options == self.device:
-            return estimate
+            return self.ranked(recipe, estimate)
         tensor_level = estimate_from_trace(trace, estimate.model, recipe, "cuda", list(trace.notes))
-        on_card = apply_device(tensor_level, trace, options)
-        return on_card if self.finish is None else self.finish(on_card, trace, options)
+        traced_options = self._traced_device(options)
+        on_card = apply_device(tensor_level, trace, traced_options)
+        if self.finish is not None:
+            on_card = self.finish(on_card, trace, traced_options)
+        return self.ranked(recipe, on_card)

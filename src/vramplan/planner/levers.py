@@ -17,10 +17,13 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from vramplan.distributed.fsdp import engine_for
+from vramplan.distributed.layout import ParallelLayout
 from vramplan.planner.bench import Workbench
+from vramplan.planner.further import further
 from vramplan.planner.throughput import Throughput
 from vramplan.recipe import FUSED_OPTIMIZERS, Recipe
-from vramplan.result import Estimate
+from vramplan.result import Component, Estimate
 
 ADAM_FAMILY = ("adam", "adamw")
 FLAG_NAMES = {
@@ -43,6 +46,10 @@ FLAG_NAMES = {
 LORA = {"lora_rank": 16, "lora_targets": "all-linear"}
 QLORA = {"quantize": "nf4", "double_quant": True, **LORA}
 FINETUNE_LEVERS = ("LoRA", "QLoRA")
+CHUNKED_UNDER_FSDP = (
+    "the chunked loss is not a lever under FSDP here: it runs the backbone outside FSDP's "
+    "root module, whose parameters stay sharded (estimate --fsdp --loss-chunks refuses it too)"
+)
 
 
 @dataclass(frozen=True)
@@ -58,6 +65,9 @@ class LeverResult:
     saved_allocated_bytes: int = 0
     """The drop in the allocated peak (``max_memory_allocated``): tensors can shrink while
     the allocator's segments and the runtime keep the device total where it was."""
+    layout_flags: str = ""
+    """A sharding lever's layout flags (``--fsdp 8``): it changes the layout, not the recipe
+    (``further.py``)."""
 
     @property
     def status(self) -> str:
@@ -65,9 +75,10 @@ class LeverResult:
 
     @property
     def flags(self) -> str:
-        return " ".join(
+        recipe_flags = [
             FLAG_NAMES[k] if v is True else f"{FLAG_NAMES[k]} {v}" for k, v in self.changes.items()
-        )
+        ]
+        return " ".join([*recipe_flags, *([self.layout_flags] if self.layout_flags else [])])
 
     def to_json(self) -> dict:
         return {
@@ -212,6 +223,7 @@ def _trick_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict,
         )
     if (
         bench.model.startswith("hf:")
+        and engine_for(bench.layout) is None  # see CHUNKED_UNDER_FSDP
         and not (recipe.loss_chunks or recipe.fused_ce or recipe.loss_shift_copy)
         and bench.estimate(recipe).model.kind == "causal-lm"
     ):
@@ -435,10 +447,10 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
                     bench, recipe, "gradient accumulation", accumulation, {}, baseline, throughput
                 )
             )
-    notes = [
-        "sharding (ZeRO/FSDP) and CPU offload are not levers in this table: the GPUs-needed "
-        "answer covers them (per-rank ZeRO layouts, FSDP2 traced)"
-    ]
+    levers += _sharding_levers(bench, recipe, baseline)
+    notes = [_sharding_note(bench.layout)]
+    if engine_for(bench.layout) is not None and bench.model.startswith("hf:"):
+        notes.append(CHUNKED_UNDER_FSDP)
     plan = None
     if baseline.verdict.status != "fits":
         plan = _first_plan(bench, recipe, levers, baseline, throughput)
@@ -450,6 +462,34 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
             "a larger card, or sharding across GPUs, is needed"
         )
     return PlanResult(baseline, tuple(levers), plan, tuple(notes))
+
+
+def _sharding_levers(bench: Workbench, recipe: Recipe, baseline: Estimate) -> list[LeverResult]:
+    """The shardings beyond the bench's layout on its GPUs (``further.py``), each one rank's
+    figures at the baseline recipe."""
+    found = []
+    for name, layout, flags in further(bench.layout):
+        estimate = bench.under(layout).estimate(recipe)
+        saved = baseline.peak.device_total_bytes - estimate.peak.device_total_bytes
+        tensors = baseline.peak.allocated_bytes - estimate.peak.allocated_bytes
+        cost = {"note": f"{layout.describe()} on the same {layout.data_parallel} GPUs"}
+        found.append(LeverResult(name, {}, estimate, saved, cost, tensors, flags))
+    return found
+
+
+def _sharding_note(layout: ParallelLayout) -> str:
+    """What the table says of sharding: on one GPU, the GPUs-needed answer's; under the
+    user's layout, the figures are one rank's and further sharding is in the table."""
+    if layout == ParallelLayout():
+        return (
+            "sharding (ZeRO/FSDP) and CPU offload are not levers in this table: the GPUs-needed "
+            "answer covers them (per-rank ZeRO layouts, FSDP2 traced)"
+        )
+    return (
+        f"every figure is one rank's of {layout.describe()}; the shardings that go further on "
+        "the same GPUs are levers of the table (not combined into the plan), more GPUs are "
+        "the GPUs-needed answer's"
+    )
 
 
 # -- the first plan ------------------------------------------------------------------------
@@ -664,8 +704,13 @@ def _floor(recipe: Recipe, changes: dict, checkpointable: bool) -> Recipe:
 
 def _weights_leave_room(estimate: Estimate) -> bool:
     """Whether the weights alone (as a precision lever stores them) are under the usable
-    line: full training with fp32 master weights cannot fit otherwise."""
-    return estimate.model.parameter_bytes < estimate.verdict.usable_bytes
+    line: full training with fp32 master weights cannot fit otherwise. Under a sharded
+    layout, the parameters one rank holds at its peak (its shards, and the blocks gathered
+    there)."""
+    weights = estimate.model.parameter_bytes
+    if "parallel" in estimate.details:
+        weights = estimate.components[Component.PARAMETERS]
+    return weights < estimate.verdict.usable_bytes
 
 
 def _costs_more(

@@ -169,17 +169,19 @@ def _search(bench: Workbench, recipe: Recipe, knob: str, start: int | None) -> S
 def _cannot_fit_message(bench: Workbench, recipe: Recipe, knob: str) -> str:
     estimate = bench.estimate(recipe)
     verdict = estimate.verdict
+    layout = estimate.details.get("parallel", {}).get("layout")
+    gpu = f"{verdict.gpu} (one rank of {layout})" if layout else verdict.gpu
     missing = verdict.compared_bytes - verdict.usable_bytes
     if missing <= 0:  # enough on the card, but the allocator runs out (TensorFlow's limit)
         limit = estimate.details.get("tensorflow", {}).get("memory_limit_bytes")
         within = f"TensorFlow's memory limit of {limit:,} bytes" if limit else "the card"
         return (
-            f"{bench.model} does not fit {verdict.gpu} even at {KNOBS[knob]} "
+            f"{bench.model} does not fit {gpu} even at {KNOBS[knob]} "
             f"{getattr(recipe, knob)}: the allocator runs out within {within}; "
             "try `vramplan plan` for levers"
         )
     return (
-        f"{bench.model} does not fit {verdict.gpu} even at {KNOBS[knob]} "
+        f"{bench.model} does not fit {gpu} even at {KNOBS[knob]} "
         f"{getattr(recipe, knob)}: the high end of its range needs "
         f"{verdict.compared_bytes:,} bytes (central {estimate.peak.device_total_bytes:,}), "
         f"{missing:,} more than the {verdict.usable_bytes:,} usable after "

@@ -43,9 +43,12 @@ def render_max_batch(result: SearchResult, units: str) -> None:
     fmt = lambda n: format_bytes(n, units)  # noqa: E731
     est = result.estimate
     label = SEARCHED.get(result.knob, "sequence length")
+    layout = est.details.get("parallel", {}).get("layout")
+    where = f"each {est.verdict.gpu} of {layout} (one rank's peak)" if layout else est.verdict.gpu
+    per_gpu = "per-GPU " if layout and result.knob == "batch_size" else ""
     console = Console()
     console.print(
-        f"Largest {label} that fits {est.verdict.gpu} with {est.verdict.headroom:.0%} "
+        f"Largest {per_gpu}{label} that fits {escape(where)} with {est.verdict.headroom:.0%} "
         f"headroom: [bold]{result.value}[/bold]"
     )
     console.print(
@@ -109,8 +112,10 @@ def render_plan(answer: PlanAnswer, units: str) -> None:
     fmt = lambda n: format_bytes(n, units)  # noqa: E731
     console = Console()
     base = result.baseline
+    layout = base.details.get("parallel", {}).get("layout")
+    rank = f" per rank of {escape(layout)}" if layout else ""
     console.print(
-        f"[bold]{base.model.name}[/bold]: device total {fmt(base.peak.device_total_bytes)}"
+        f"[bold]{base.model.name}[/bold]: device total{rank} {fmt(base.peak.device_total_bytes)}"
         f" (allocated {fmt(base.peak.allocated_bytes)}, reserved "
         f"{fmt(base.peak.reserved_bytes)})"
     )
