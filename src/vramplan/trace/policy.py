@@ -72,11 +72,10 @@ class CpuPolicy:
         return [CpuConvScratch(self._convolutions)]
 
     def trace_notes(self) -> list[str]:
-        kernels = {k: n for k, n in sorted(self._convolutions.items()) if n}
+        kernels = sorted(k for k, n in self._convolutions.items() if n)
         if not kernels:
             return []
-        named = ", ".join(f"{kernel} x{n}" for kernel, n in kernels.items())
-        note = f"convolutions as PyTorch runs them on this CPU: {named}"
+        note = f"convolution kernels as PyTorch picks them on this CPU: {', '.join(kernels)}"
         if any(kernel.startswith("Mkldnn") for kernel in kernels):
             note += " (oneDNN's scratchpad, sized by the implementation it picks, not counted)"
         return [note]
