@@ -66,7 +66,27 @@ def dilated3d() -> nn.Module:
     )
 
 
+class Strided(nn.Module):
+    """A transposed image into the first convolution (its input copied contiguous) and a
+    permuted output from the second (its ``grad_output`` copied contiguous backward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Conv2d(3, 16, 3, padding=1)
+        self.second = nn.Conv2d(16, 8, 3, padding=1)
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.second(torch.relu(self.first(x.transpose(2, 3))))
+        return self.head(y.permute(0, 2, 3, 1)).mean(dim=(1, 2))
+
+
+def strided() -> nn.Module:
+    return Strided()
+
+
 CASES = [
+    (strided, (3, 16, 12), "Slow2d"),
     (slow2d, (3, 16, 16), "Slow2d"),
     (dilated2d, (3, 16, 16), "SlowDilated2d"),
     (slow3d, (3, 4, 8, 8), "Slow3d"),
@@ -86,7 +106,7 @@ def test_traced_peak_counts_the_kernels_columns_as_a_real_cpu_step_shows(factory
     estimate = estimate_built(built(), recipe, target="cpu")
     assert any(note.endswith(f": {kernels}") for note in estimate.notes), estimate.notes
     real = measure_built(built(), recipe, "cpu", steps=2).allocated_bytes
-    # without the columns the trace is 58% to 83% short of these
+    # without the columns the trace is 55% to 83% short of these
     assert estimate.peak.allocated_bytes == pytest.approx(real, rel=0.005)
 
 

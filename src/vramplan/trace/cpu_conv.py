@@ -214,25 +214,45 @@ def _columns(call: ConvCall, samples: int) -> int:
     return samples * per_sample * call.dtype.itemsize
 
 
+SLOW = ("Slow2d", "Slow3d", "SlowDilated2d", "SlowDilated3d")
+"""The kernels whose scratch is modelled."""
+
+
 def scratch(
-    call: ConvCall, backend: str, passes: tuple[str, ...], bias_grad: bool = False
+    call: ConvCall,
+    backend: str,
+    passes: tuple[str, ...],
+    bias_grad: bool = False,
+    copy: int = 0,
 ) -> tuple[Buffer, ...]:
     """The buffers ``backend`` holds together at its peak inside one call: ``passes`` is
     ``("forward",)`` or the backward passes asked for (``backward_data``,
-    ``backward_filter``); ``bias_grad`` whether backward also computes the bias gradient.
-    Only groups 1 for the kernels that loop over groups in ``at::_convolution``."""
+    ``backward_filter``); ``bias_grad`` whether backward also computes the bias gradient;
+    ``copy`` the bytes of the contiguous copy the kernel makes of a strided input (forward)
+    or ``grad_output`` (backward: ``grad_output.contiguous()``, taken again for the weight
+    pass, alive with its columns). Only groups 1 for the kernels that loop over groups in
+    ``at::_convolution``."""
     call = call.as_2d()
+    if backend not in SLOW or (call.groups != 1 and backend != "Slow3d"):
+        return ()
+    name = "input_contiguous" if passes == ("forward",) else "grad_output_contiguous"
+    held = (Buffer(name, copy),) if copy and passes else ()
+    return held + _columns_held(call, backend, passes, bias_grad)
+
+
+def _columns_held(
+    call: ConvCall, backend: str, passes: tuple[str, ...], bias_grad: bool
+) -> tuple[Buffer, ...]:
     batch = call.input_shape[0]
     forward = passes == ("forward",)
     data, weight = "backward_data" in passes, "backward_filter" in passes
-    if backend == "Slow2d" and call.groups == 1 and not call.pointwise:
-        if forward or weight:
-            return (Buffer("columns", _columns(call, batch)),)
-    elif backend == "Slow3d":
+    if backend == "Slow2d" and not call.pointwise and (forward or weight):
+        return (Buffer("columns", _columns(call, batch)),)
+    if backend == "Slow3d":
         viewed = call.pointwise and call.groups == 1
         if ((forward or weight) and not viewed) or data:  # fgrad_input, then columns
             return (Buffer("columns", _columns(call, batch)),)
-    elif backend in ("SlowDilated2d", "SlowDilated3d") and call.groups == 1:
+    if backend in ("SlowDilated2d", "SlowDilated3d"):
         if forward:
             return (Buffer("columns", _columns(call, 1)),)
         if data or weight:
@@ -240,6 +260,27 @@ def scratch(
             bias = (Buffer("bias_sum", out_channels),) if bias_grad else ()
             return (Buffer("columns", _columns(call, 1)), *bias)
     return ()
+
+
+def _suggests_channels_last(tensor: torch.Tensor) -> bool:
+    """``suggest_memory_format() == ChannelsLast`` for a 4-d tensor."""
+    return (
+        tensor.dim() == 4
+        and tensor.is_contiguous(memory_format=torch.channels_last)
+        and not tensor.is_contiguous()
+    )
+
+
+def contiguous_copy(tensor: torch.Tensor, backend: str, x: torch.Tensor, weight) -> int:
+    """Bytes of ``tensor.contiguous(format)`` where the kernel calls it: 0 for a tensor
+    already laid out so. ``Slow2d`` keeps channels-last when its input or weight suggests it
+    (``thnn_conv_use_channels_last``); the others want the default layout."""
+    channels_last = backend == "Slow2d" and (
+        _suggests_channels_last(x) or _suggests_channels_last(weight)
+    )
+    layout = torch.channels_last if channels_last and tensor.dim() == 4 else None
+    laid_out = tensor.is_contiguous(memory_format=layout) if layout else tensor.is_contiguous()
+    return 0 if laid_out else tensor.numel() * tensor.element_size()
 
 
 def _recorder():
@@ -271,16 +312,18 @@ class CpuConvScratch(TorchDispatchMode):
         if call is None:
             return
         backend = cpu_conv_backend(call, self.host)
-        mask = dict(zip([a.name for a in func._schema.arguments], args, strict=False)).get(
-            "output_mask", (kwargs or {}).get("output_mask")
-        )
+        names = [a.name for a in func._schema.arguments]
+        bound = dict(zip(names, args, strict=False)) | dict(kwargs or {})
+        mask = bound.get("output_mask")
         if mask is None:
-            passes, bias_grad = ("forward",), False
+            passes, bias_grad, strided = ("forward",), False, bound["input"]
         else:
             wanted = zip(("backward_data", "backward_filter"), mask[:2], strict=True)
             passes, bias_grad = tuple(p for p, on in wanted if on), bool(mask[2])
+            strided = bound["grad_output"]
         self.calls[backend] = self.calls.get(backend, 0) + (mask is None)
-        buffers = scratch(call, backend, passes, bias_grad)
+        copy = contiguous_copy(strided, backend, bound["input"], bound["weight"])
+        buffers = scratch(call, backend, passes, bias_grad, copy)
         recorder = _recorder()
         if recorder is None or not buffers:
             return
