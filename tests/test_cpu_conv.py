@@ -67,18 +67,16 @@ def dilated3d() -> nn.Module:
 
 
 class Strided(nn.Module):
-    """A transposed image into the first convolution (its input copied contiguous) and a
-    permuted output from the second (its ``grad_output`` copied contiguous backward)."""
+    """A transposed image into a convolution: ``at::_convolution`` and
+    ``convolution_backward`` copy it contiguous, alive with the columns."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.first = nn.Conv2d(3, 16, 3, padding=1)
-        self.second = nn.Conv2d(16, 8, 3, padding=1)
-        self.head = nn.Linear(8, 4)
+        self.conv = nn.Conv2d(16, 16, 3, padding=1)
+        self.head = nn.Linear(16, 4)
 
     def forward(self, x):
-        y = self.second(torch.relu(self.first(x.transpose(2, 3))))
-        return self.head(y.permute(0, 2, 3, 1)).mean(dim=(1, 2))
+        return self.head(self.conv(x.transpose(2, 3)).mean(dim=(2, 3)))
 
 
 def strided() -> nn.Module:
@@ -86,7 +84,7 @@ def strided() -> nn.Module:
 
 
 CASES = [
-    (strided, (3, 16, 12), "Slow2d"),
+    (strided, (16, 24, 20), "Slow2d"),
     (slow2d, (3, 16, 16), "Slow2d"),
     (dilated2d, (3, 16, 16), "SlowDilated2d"),
     (slow3d, (3, 4, 8, 8), "Slow3d"),
@@ -199,3 +197,14 @@ def test_columns_sizes_from_the_kernels_sources():
     assert scratch(pointwise3d, "Slow3d", ("forward",)) == ()
     assert scratch(pointwise3d, "Slow3d", ("backward_data",))[0].nbytes == 2 * 8 * 256 * 4
     assert scratch(call, "Mkldnn", ("forward",)) == ()
+
+
+def test_a_tiny_retinanet_at_batch_1_matches_a_real_cpu_step():
+    """Its head's 3x3 convolutions on 1x32x24x24 (18432 elements) run ``Slow2d``, and their
+    ``grad_output`` comes back strided from the head's permute: the trace was 8.8% short."""
+    from test_detection import RECIPE, _tiny_retinanet
+
+    recipe = RECIPE.with_changes(focal_loss="fused", batch_size=1)
+    traced = estimate_built(_tiny_retinanet(recipe), recipe, target="cpu").peak.allocated_bytes
+    real = measure_built(_tiny_retinanet(recipe, "cpu"), recipe, "cpu", steps=2)
+    assert traced == pytest.approx(real.allocated_bytes, rel=0.005)

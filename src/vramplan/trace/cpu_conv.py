@@ -228,15 +228,15 @@ def scratch(
     """The buffers ``backend`` holds together at its peak inside one call: ``passes`` is
     ``("forward",)`` or the backward passes asked for (``backward_data``,
     ``backward_filter``); ``bias_grad`` whether backward also computes the bias gradient;
-    ``copy`` the bytes of the contiguous copy the kernel makes of a strided input (forward)
-    or ``grad_output`` (backward: ``grad_output.contiguous()``, taken again for the weight
-    pass, alive with its columns). Only groups 1 for the kernels that loop over groups in
+    ``copy`` the bytes of the contiguous copies the op makes of a strided input (forward and
+    backward, ``input.contiguous(backend_memory_format)`` in ``at::_convolution`` and
+    ``convolution_backward``) and ``grad_output`` (the kernels' ``grad_output.contiguous()``),
+    alive with its columns. Only groups 1 for the kernels that loop over groups in
     ``at::_convolution``."""
     call = call.as_2d()
     if backend not in SLOW or (call.groups != 1 and backend != "Slow3d"):
         return ()
-    name = "input_contiguous" if passes == ("forward",) else "grad_output_contiguous"
-    held = (Buffer(name, copy),) if copy and passes else ()
+    held = (Buffer("contiguous_copies", copy),) if copy and passes else ()
     return held + _columns_held(call, backend, passes, bias_grad)
 
 
@@ -315,14 +315,15 @@ class CpuConvScratch(TorchDispatchMode):
         names = [a.name for a in func._schema.arguments]
         bound = dict(zip(names, args, strict=False)) | dict(kwargs or {})
         mask = bound.get("output_mask")
+        x, weight = bound["input"], bound["weight"]
+        copy = contiguous_copy(x, backend, x, weight)
         if mask is None:
-            passes, bias_grad, strided = ("forward",), False, bound["input"]
+            passes, bias_grad = ("forward",), False
         else:
             wanted = zip(("backward_data", "backward_filter"), mask[:2], strict=True)
             passes, bias_grad = tuple(p for p, on in wanted if on), bool(mask[2])
-            strided = bound["grad_output"]
+            copy += contiguous_copy(bound["grad_output"], backend, x, weight)
         self.calls[backend] = self.calls.get(backend, 0) + (mask is None)
-        copy = contiguous_copy(strided, backend, bound["input"], bound["weight"])
         buffers = scratch(call, backend, passes, bias_grad, copy)
         recorder = _recorder()
         if recorder is None or not buffers:
