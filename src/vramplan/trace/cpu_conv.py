@@ -16,6 +16,9 @@ op returns (PyTorch 2.x, read at 2.14):
 - ``SlowDilated2d``/``SlowDilated3d`` (``NaiveDilatedConvolution.cpp``): one sample's
   columns, C_in*prod(k) x prod(out), reused across the batch, in forward and backward; the
   bias gradient sums each sample into a C_out temporary while the columns live.
+- all four: a contiguous copy of a strided input (``at::_convolution``,
+  ``convolution_backward``) and of a strided ``grad_output`` (the kernels'
+  ``grad_output.contiguous()``), alive with the columns.
 
 ``Mkldnn`` (oneDNN) books its scratchpad through PyTorch's CPU allocator too, of a size set
 by the implementation oneDNN picks for the CPU's instruction set; it is not modelled here::
