@@ -44,10 +44,15 @@ def _dtype(name: str) -> torch.dtype:
 
 
 class CpuPolicy:
-    """Run exactly as PyTorch runs on the CPU: the ground truth for CPU measurements."""
+    """Run exactly as PyTorch runs on the CPU: the ground truth for CPU measurements. The
+    scratch its slow convolution kernels allocate inside the op (im2col columns) is added to
+    the trace (``cpu_conv.py``)."""
 
     name = "cpu"
     frees_grads = True  # the installed PyTorch (>= 2.0)
+
+    def __init__(self) -> None:
+        self._convolutions: dict[str, int] = {}
 
     def optimizer_defaults(self) -> dict:
         return {}
@@ -61,10 +66,19 @@ class CpuPolicy:
         return False
 
     def dispatch_modes(self, recipe: Recipe) -> list:
-        return []
+        from vramplan.trace.cpu_conv import CpuConvScratch
+
+        self._convolutions = {}
+        return [CpuConvScratch(self._convolutions)]
 
     def trace_notes(self) -> list[str]:
-        return []
+        kernels = sorted(k for k, n in self._convolutions.items() if n)
+        if not kernels:
+            return []
+        note = f"convolution kernels as PyTorch picks them on this CPU: {', '.join(kernels)}"
+        if any(kernel.startswith("Mkldnn") for kernel in kernels):
+            note += " (oneDNN's scratchpad, sized by the implementation it picks, not counted)"
+        return [note]
 
 
 class CudaPolicy(CpuPolicy):
