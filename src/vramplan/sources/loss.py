@@ -23,7 +23,11 @@
   pad the labels instead and keep no copy.
 
 All three replace the model's own loss (the head and loss of ``XForCausalLM.forward``); labels
-are shifted by one as transformers' ``ForCausalLMLoss`` shifts them::
+are shifted by one as transformers' ``ForCausalLMLoss`` shifts them. Each runs inside the
+model's own call (``in_root_forward``), where both libraries compute it: torchtune's chunked
+head is applied in ``TransformerDecoder.forward`` (``num_output_chunks``), Liger's
+``lce_forward`` is patched over ``XForCausalLM.forward``. Under FSDP2 that call is the root's,
+whose forward pre-hook gathers the embeddings, final norm and head that the loss uses::
 
     run = loss_run(Recipe(loss_chunks=8))
     loss = run(model, {"input_ids": ids, "labels": ids}, True)
@@ -148,6 +152,20 @@ def shift_copy_loss(model: nn.Module, batch: dict, upcast: bool = True) -> torch
     )
 
 
+def in_root_forward(model: nn.Module, loss: Callable[..., Any], batch: dict) -> Any:
+    """``loss(model, batch)`` run as ``model``'s own forward, so that ``model``'s hooks (FSDP2's
+    root pre- and post-forward: its parameters gathered, then resharded or kept as its
+    ``reshard_after_forward`` says) wrap it as they wrap the recipes' forward::
+
+        loss = in_root_forward(model, fused_loss, {"input_ids": ids, "labels": ids})
+    """
+    model.forward = lambda **inputs: loss(model, inputs)
+    try:
+        return model(**batch)
+    finally:
+        del model.forward
+
+
 def loss_run(recipe: Recipe) -> Callable[[nn.Module, dict, bool], Any]:
     """A ``BuiltModel.run`` for a causal LM computing its loss as the recipe says."""
 
@@ -155,9 +173,12 @@ def loss_run(recipe: Recipe) -> Callable[[nn.Module, dict, bool], Any]:
         if not training:
             return module(**{k: v for k, v in batch.items() if k != "labels"})
         if recipe.fused_ce:
-            return fused_loss(module, batch)
+            return in_root_forward(module, fused_loss, batch)
         if recipe.loss_shift_copy:
             return shift_copy_loss(module, batch, upcast=not recipe.loss_no_upcast)
-        return chunked_loss(module, batch, recipe.loss_chunks, recipe.compile)
+        chunks, compiled = recipe.loss_chunks, recipe.compile
+        return in_root_forward(
+            module, lambda model, inputs: chunked_loss(model, inputs, chunks, compiled), batch
+        )
 
     return run
