@@ -131,3 +131,18 @@ def test_plan_starts_from_the_layout(run_cli, tiny, layout, proposed):
     assert lever["peak"]["device_total_bytes"] == full["peak"]["device_total_bytes"]
     base = answer["estimate"]["peak"]["device_total_bytes"]
     assert lever["saved_bytes"] == base - full["peak"]["device_total_bytes"]
+
+
+def test_plan_under_fsdp_offers_the_chunked_loss(run_cli, tiny):
+    """Under ``--fsdp 2`` the chunked loss is a lever (it runs inside FSDP2's root forward):
+    one rank's figures, as ``estimate --fsdp 2 --loss-chunks 8`` gives them, below the
+    baseline's allocated peak by at least half the fp32 logits it no longer keeps whole."""
+    step = ("--seq-len", "64", "--batch-size", "2", "--gpu-memory", "1.4GiB", "--fsdp", "2")
+    answer = _json(run_cli, "plan", tiny, *step, "--jobs", "1")
+    (lever,) = [lever for lever in answer["levers"] if lever["name"] == "chunked loss"]
+    assert lever["changes"] == {"loss_chunks": 8}
+    chunked = _json(run_cli, "estimate", tiny, *step, "--loss-chunks", "8")
+    assert lever["peak"] == chunked["peak"]
+    logits = TINY["vocab_size"] * 2 * 64 * 4
+    saved = answer["estimate"]["peak"]["allocated_bytes"] - chunked["peak"]["allocated_bytes"]
+    assert saved > logits / 2

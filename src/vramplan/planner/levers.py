@@ -17,7 +17,6 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from vramplan.distributed.fsdp import engine_for
 from vramplan.distributed.layout import ParallelLayout
 from vramplan.planner.bench import Workbench
 from vramplan.planner.further import further
@@ -46,10 +45,6 @@ FLAG_NAMES = {
 LORA = {"lora_rank": 16, "lora_targets": "all-linear"}
 QLORA = {"quantize": "nf4", "double_quant": True, **LORA}
 FINETUNE_LEVERS = ("LoRA", "QLoRA")
-CHUNKED_UNDER_FSDP = (
-    "the chunked loss is not a lever under FSDP here: it runs the backbone outside FSDP's "
-    "root module, whose parameters stay sharded (estimate --fsdp --loss-chunks refuses it too)"
-)
 
 
 @dataclass(frozen=True)
@@ -223,7 +218,6 @@ def _trick_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict,
         )
     if (
         bench.model.startswith("hf:")
-        and engine_for(bench.layout) is None  # see CHUNKED_UNDER_FSDP
         and not (recipe.loss_chunks or recipe.fused_ce or recipe.loss_shift_copy)
         and bench.estimate(recipe).model.kind == "causal-lm"
     ):
@@ -449,8 +443,6 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
             )
     levers += _sharding_levers(bench, recipe, baseline)
     notes = [_sharding_note(bench.layout)]
-    if engine_for(bench.layout) is not None and bench.model.startswith("hf:"):
-        notes.append(CHUNKED_UNDER_FSDP)
     plan = None
     if baseline.verdict.status != "fits":
         plan = _first_plan(bench, recipe, levers, baseline, throughput)
