@@ -23,11 +23,12 @@
   pad the labels instead and keep no copy.
 
 All three replace the model's own loss (the head and loss of ``XForCausalLM.forward``); labels
-are shifted by one as transformers' ``ForCausalLMLoss`` shifts them. Each runs inside the
-model's own call (``in_root_forward``), where both libraries compute it: torchtune's chunked
-head is applied in ``TransformerDecoder.forward`` (``num_output_chunks``), Liger's
-``lce_forward`` is patched over ``XForCausalLM.forward``. Under FSDP2 that call is the root's,
-whose forward pre-hook gathers the embeddings, final norm and head that the loss uses::
+are shifted by one as transformers' ``ForCausalLMLoss`` shifts them. The backbone and head
+run inside the model's own call (``in_root_forward``), as both libraries run them:
+torchtune's chunked head is applied in ``TransformerDecoder.forward`` (``num_output_chunks``)
+and its recipe computes the loss on the returned chunks; Liger's ``lce_forward``, patched over
+``XForCausalLM.forward``, computes the fused loss inside it. Under FSDP2 that call is the
+root's, whose forward pre-hook gathers the embeddings, final norm and head::
 
     run = loss_run(Recipe(loss_chunks=8))
     loss = run(model, {"input_ids": ids, "labels": ids}, True)
@@ -54,21 +55,31 @@ def _parts(model: nn.Module) -> tuple[nn.Module, nn.Module]:
     return base.get_decoder(), base.get_output_embeddings()
 
 
-def _hidden_and_targets(model: nn.Module, batch: dict) -> tuple[torch.Tensor, nn.Module, Any]:
-    body, head = _parts(model)
+def _targets(batch: dict) -> torch.Tensor:
+    """The labels shifted by one, padded with ``IGNORE_INDEX`` (no copy of the logits)."""
+    return F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
+
+
+def _hidden(model: nn.Module, batch: dict) -> torch.Tensor:
     inputs = {k: v for k, v in batch.items() if k != "labels"}
-    hidden = body(**inputs).last_hidden_state
-    targets = F.pad(batch["labels"], (0, 1), value=IGNORE_INDEX)[:, 1:]
-    return hidden, head, targets
+    return _parts(model)[0](**inputs).last_hidden_state
+
+
+def chunked_logits(model: nn.Module, batch: dict, chunks: int) -> list[torch.Tensor]:
+    """``TransformerDecoder.forward`` with ``num_output_chunks``: the head applied to each
+    sequence chunk of the final hidden states (``chunked_output``), the list returned."""
+    head = _parts(model)[1]
+    return [head(chunk) for chunk in _hidden(model, batch).chunk(chunks, dim=1)]
 
 
 def chunked_loss(
     model: nn.Module, batch: dict, chunks: int, compiled: bool = False
 ) -> torch.Tensor:
-    """torchtune's chunked output head and ``CEWithChunkedOutputLoss`` (with ``compiled``,
-    its ``compute_cross_entropy`` compiled as ``compile_loss`` does)."""
-    hidden, head, targets = _hidden_and_targets(model, batch)
-    logits = [head(chunk) for chunk in hidden.chunk(chunks, dim=1)]
+    """torchtune's chunked output head, inside the model's own call as in its recipes
+    (``logits = self._model(**batch)``), then ``CEWithChunkedOutputLoss`` outside it (with
+    ``compiled``, its ``compute_cross_entropy`` compiled as ``compile_loss`` does)."""
+    logits = in_root_forward(model, lambda m, inputs: chunked_logits(m, inputs, chunks), batch)
+    targets = _targets(batch)
     labels = [t.reshape(-1) for t in targets.chunk(chunks, dim=1)]
     cross_entropy = COMPILED_CROSS_ENTROPY if compiled else compute_cross_entropy
     total = 0.0
@@ -129,10 +140,17 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
 
 
 def fused_loss(model: nn.Module, batch: dict) -> torch.Tensor:
-    """Liger's fused linear cross-entropy over the decoder's last hidden states."""
-    hidden, head, targets = _hidden_and_targets(model, batch)
-    flat = hidden.reshape(-1, hidden.shape[-1])
-    return _FusedLinearCrossEntropy.apply(flat, head.weight, targets.reshape(-1))
+    """Liger's fused linear cross-entropy over the decoder's last hidden states, inside the
+    model's own call as Liger's ``lce_forward`` (patched over ``XForCausalLM.forward``)
+    computes it."""
+
+    def forward(model: nn.Module, inputs: dict) -> torch.Tensor:
+        hidden = _hidden(model, inputs)
+        flat = hidden.reshape(-1, hidden.shape[-1])
+        head = _parts(model)[1]
+        return _FusedLinearCrossEntropy.apply(flat, head.weight, _targets(inputs).reshape(-1))
+
+    return in_root_forward(model, forward, batch)
 
 
 def shift_copy_loss(model: nn.Module, batch: dict, upcast: bool = True) -> torch.Tensor:
@@ -153,9 +171,12 @@ def shift_copy_loss(model: nn.Module, batch: dict, upcast: bool = True) -> torch
 
 
 def in_root_forward(model: nn.Module, loss: Callable[..., Any], batch: dict) -> Any:
-    """``loss(model, batch)`` run as ``model``'s own forward, so that ``model``'s hooks (FSDP2's
-    root pre- and post-forward: its parameters gathered, then resharded or kept as its
-    ``reshard_after_forward`` says) wrap it as they wrap the recipes' forward::
+    """``loss(model, batch)`` run as ``model``'s own forward, so that ``model``'s hooks wrap it
+    as they wrap the recipes' forward. Under FSDP2 the root's pre-forward gathers its
+    parameters and its post-forward reshards them as its ``reshard_after_forward`` says: a
+    root given ``True`` explicitly (as ``Fsdp2`` and torchtune's ``shard_model`` give it)
+    reshards; only an unset (``None``) one stays gathered, ``FSDPState._lazy_init`` clearing
+    its ``post_forward_mesh_info`` (``torch/distributed/fsdp/_fully_shard/_fsdp_state.py``)::
 
         loss = in_root_forward(model, fused_loss, {"input_ids": ids, "labels": ids})
     """
@@ -173,12 +194,9 @@ def loss_run(recipe: Recipe) -> Callable[[nn.Module, dict, bool], Any]:
         if not training:
             return module(**{k: v for k, v in batch.items() if k != "labels"})
         if recipe.fused_ce:
-            return in_root_forward(module, fused_loss, batch)
+            return fused_loss(module, batch)
         if recipe.loss_shift_copy:
             return shift_copy_loss(module, batch, upcast=not recipe.loss_no_upcast)
-        chunks, compiled = recipe.loss_chunks, recipe.compile
-        return in_root_forward(
-            module, lambda model, inputs: chunked_loss(model, inputs, chunks, compiled), batch
-        )
+        return chunked_loss(module, batch, recipe.loss_chunks, recipe.compile)
 
     return run
