@@ -187,3 +187,44 @@ def assert_same_estimate(full, repeated, note: str | None = None) -> None:
     assert r.phase_peaks == f.phase_peaks
     assert same_events(tr, tf)
     assert tr.op_counts == tf.op_counts and tr.module_kinds == tf.module_kinds
+
+
+def fsdp_peaks(spec: str, recipe, world: int) -> tuple[int, int]:
+    """(our traced peak, PyTorch's FSDPMemTracker peak) of one rank of ``world`` under
+    FSDP2: the tracker runs the same sharded model on fake tensors and a fake process group
+    for two steps, as ``trace_training`` does."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.fsdp import fully_shard
+
+    from vramplan.distributed.fsdp import Fsdp2, fake_process_group
+    from vramplan.sources import resolve
+    from vramplan.sources.blocks import repeated_blocks
+    from vramplan.trace.policy import CpuPolicy
+    from vramplan.trace.step import trace_training
+    from vramplan.trace.summary import summarize_trace
+
+    trace = trace_training(resolve(spec, recipe), recipe, CpuPolicy(), Fsdp2(world))
+    ours = summarize_trace(trace).peak.allocated_bytes
+    built = resolve(spec, recipe)
+    model = built.model
+    with fake_process_group(world) as mesh:
+        for block in repeated_blocks(model):
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            model.to_empty(device="cpu")
+            model._get_fsdp_state()._lazy_init()
+            optimizer = torch.optim.AdamW(model.parameters())
+            batch = built.make_batch(recipe.batch_size, torch.float32)
+            tracker = FSDPMemTracker(model, optimizer)
+            tracker.track_inputs((batch,))
+            with tracker:
+                for _ in range(2):
+                    built.run(model, batch, True).backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+                    tracker.reset_mod_stats()  # its per-module stats; the peak is kept
+            theirs = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+    return ours, theirs

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch.distributed as dist
+from conftest import fsdp_peaks
 
 from vramplan.cli import main
 from vramplan.device.options import device_options
@@ -162,40 +163,6 @@ def test_a_gpu_count_answer_is_confirmed_by_tracing(llama_spec, runs):
 def test_traced_rank_equals_pytorchs_fsdp_mem_tracker(llama_spec):
     """PyTorch's own FSDPMemTracker, run on the same sharded model, fake tensors and fake
     process group, measures the same tensor-level peak as our trace of that rank."""
-    import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import fully_shard
-
-    from vramplan.distributed.fsdp import fake_process_group
-    from vramplan.sources.blocks import repeated_blocks
-    from vramplan.trace.policy import CpuPolicy
-    from vramplan.trace.step import trace_training
-    from vramplan.trace.summary import summarize_trace
-
     recipe = Recipe(batch_size=2, seq_len=128, precision="fp32", optimizer="adamw")
-    world = 4
-    trace = trace_training(resolve(llama_spec, recipe), recipe, CpuPolicy(), Fsdp2(world))
-    ours = summarize_trace(trace).peak.allocated_bytes
-
-    built = resolve(llama_spec, recipe)
-    model = built.model
-    with fake_process_group(world) as mesh:
-        for block in repeated_blocks(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model.to_empty(device="cpu")
-            model._get_fsdp_state()._lazy_init()
-            optimizer = torch.optim.AdamW(model.parameters())
-            batch = built.make_batch(2, torch.float32)
-            tracker = FSDPMemTracker(model, optimizer)
-            tracker.track_inputs((batch,))
-            with tracker:
-                for _ in range(2):
-                    built.run(model, batch, True).backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    tracker.reset_mod_stats()  # its per-module stats; the peak is kept
-            theirs = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+    ours, theirs = fsdp_peaks(llama_spec, recipe, world=4)
     assert ours == pytest.approx(theirs, rel=0.005)

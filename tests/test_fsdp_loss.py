@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
+from conftest import fsdp_peaks
 
 from vramplan.device.options import device_options
 from vramplan.distributed.fsdp import Fsdp2
@@ -84,38 +84,6 @@ def test_fused_loss_under_fsdp(spec, runs):
 def test_traced_chunked_rank_equals_pytorchs_fsdp_mem_tracker(spec):
     """PyTorch's own FSDPMemTracker on the same sharded model, fake tensors and fake process
     group, running the chunked loss step, measures the peak our trace of that rank gives."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
-    from torch.distributed.fsdp import fully_shard
-
-    from vramplan.distributed.fsdp import fake_process_group
-    from vramplan.sources.blocks import repeated_blocks
-    from vramplan.trace.policy import CpuPolicy
-    from vramplan.trace.step import trace_training
-    from vramplan.trace.summary import summarize_trace
-
-    recipe = _recipe(loss_chunks=8)
-    trace = trace_training(resolve(spec, recipe), recipe, CpuPolicy(), Fsdp2(WORLD))
-    ours = summarize_trace(trace).peak.allocated_bytes
-    built = resolve(spec, recipe)
-    model = built.model
-    with fake_process_group(WORLD) as mesh:
-        for block in repeated_blocks(model):
-            fully_shard(block, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        with FakeTensorMode(allow_non_fake_inputs=True):
-            model.to_empty(device="cpu")
-            model._get_fsdp_state()._lazy_init()
-            optimizer = torch.optim.AdamW(model.parameters())
-            batch = built.make_batch(BATCH, torch.float32)
-            tracker = FSDPMemTracker(model, optimizer)
-            tracker.track_inputs((batch,))
-            with tracker:
-                for _ in range(2):
-                    built.run(model, batch, True).backward()
-                    optimizer.step()
-                    optimizer.zero_grad()
-                    tracker.reset_mod_stats()
-            theirs = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
+    ours, theirs = fsdp_peaks(spec, _recipe(loss_chunks=8), WORLD)
     print(f"traced {ours:,} B, FSDPMemTracker {theirs:,} B")
     assert ours == pytest.approx(theirs, rel=0.005)
