@@ -53,20 +53,14 @@ class ConvCase:
 
     @property
     def output_spatial(self) -> tuple[int, ...]:
-        spatial, kernel = self.input[2:], self.weight[2:]
-        return output_size(spatial, kernel, self.stride, self.padding, self.dilation)
-
-
-def output_size(spatial, kernel, stride, padding, dilation) -> tuple[int, ...]:
-    """A (not transposed) convolution's output size per spatial dimension.
-
-    >>> output_size((224, 224), (7, 7), (2, 2), (3, 3), (1, 1))
-    (112, 112)
-    """
-    return tuple(
-        (h + 2 * p - d * (r - 1) - 1) // s + 1
-        for h, r, s, p, d in zip(spatial, kernel, stride, padding, dilation, strict=False)
-    )
+        spatial = self.input[2:]
+        kernel = self.weight[2:]
+        return tuple(
+            (h + 2 * p - d * (r - 1) - 1) // s + 1
+            for h, r, s, p, d in zip(
+                spatial, kernel, self.stride, self.padding, self.dilation, strict=False
+            )
+        )
 
 
 @dataclass(frozen=True)

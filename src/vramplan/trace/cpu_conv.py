@@ -38,8 +38,6 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
-from vramplan.device.cudnn import output_size
-
 aten = torch.ops.aten
 
 
@@ -132,8 +130,16 @@ class ConvCall:
     @property
     def out_spatial(self) -> tuple[int, ...]:
         """Output size per spatial dimension (not transposed)."""
-        return output_size(
-            self.input_shape[2:], self.kernel, self.stride, self.padding, self.dilation
+        return tuple(
+            (size + 2 * pad - dil * (k - 1) - 1) // st + 1
+            for size, pad, dil, k, st in zip(
+                self.input_shape[2:],
+                self.padding,
+                self.dilation,
+                self.kernel,
+                self.stride,
+                strict=True,
+            )
         )
 
     @property
