@@ -28,6 +28,7 @@ CHEAP = [
     ["estimate", "--help"],
     ["max-batch", "--help"],
     ["plan", "--help"],
+    ["daemon", "status"],
 ]
 
 CHILD = """

@@ -6,6 +6,7 @@
     python -m benchmarks.speed.commands --before /tmp/old/src   # an older checkout beside it
     python -m benchmarks.speed.commands --only plan,max-batch   # the planner rows (minutes)
     python -m benchmarks.speed.commands --only plan --jobs 1    # ... one trace at a time
+    python -m benchmarks.speed.commands --daemon           # with `vramplan daemon start` first
 
 Each run is a fresh ``python -m vramplan ...`` (start-up, imports, model build, trace and
 rendering included, output to a file); the table gives the best and the median of
@@ -17,6 +18,11 @@ checkout's ``src``), so both columns see the same machine load. The load column 
 one-minute load average after each row. The packages measured are byte-compiled first
 (``compileall``), as an installed package is: with ``PYTHONDONTWRITEBYTECODE`` set, a
 checkout's modules would otherwise be compiled from source in every run.
+
+With ``--daemon``, a ``vramplan daemon`` is started first (in a folder of its own; the time
+it took is printed) and the commands that trace go to it, as a user's do after ``vramplan
+daemon start``: the wall seconds are the user's wait; the CPU and RSS columns are then the
+command's own process only (the work runs in the daemon's child), not the work.
 """
 
 from __future__ import annotations
@@ -193,6 +199,19 @@ def machine(before: str | None) -> str:
     )
 
 
+def start_daemon(folder: Path) -> str:
+    """Start a ``vramplan daemon`` listening in ``folder`` for the runs that follow (they
+    inherit ``VRAMPLAN_DAEMON_DIR``); what it printed."""
+    os.environ["VRAMPLAN_DAEMON_DIR"] = str(folder)
+    started = subprocess.run(
+        [sys.executable, "-m", "vramplan", "daemon", "start"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    return started.stdout.strip()
+
+
 def _seconds(runs: list[tuple[float, int, int, float]]) -> str:
     """Best and median wall seconds, and median CPU seconds (less sensitive to load)."""
     seconds = [r[0] for r in runs]
@@ -223,7 +242,12 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument(
         "--jobs", type=int, default=None, help="--jobs N for plan and max-batch (their default)"
     )
+    parser.add_argument(
+        "--daemon", action="store_true", help="start `vramplan daemon` first (warm commands)"
+    )
     options = parser.parse_args(argv)
+    if options.daemon and options.before:
+        parser.error("--daemon measures this checkout only: leave out --before")
     words = [w for w in options.only.split(",") if w]
     rows = [row for row in ROWS if not words or any(w in row[0] for w in words)]
     rows += [
@@ -252,8 +276,10 @@ def main(argv: list[str] | None = None) -> str:
             "| command | best s | median s | CPU s | target s | peak RSS MiB | exit | load |",
             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
         ]
-    print("\n".join(lines), flush=True)
     with tempfile.TemporaryDirectory() as folder:
+        if options.daemon:
+            lines.insert(-2, start_daemon(Path(folder) / "daemon") + "\n")
+        print("\n".join(lines), flush=True)
         config = Path(folder) / "llama-3.1-405b" / "config.json"
         config.parent.mkdir()
         config.write_text(json.dumps(LLAMA_405B, indent=2))
@@ -273,6 +299,8 @@ def main(argv: list[str] | None = None) -> str:
             line += f"{runs[-1][1]} | {os.getloadavg()[0]:.1f} |"
             lines.append(line)
             print(line, flush=True)
+        if options.daemon:
+            subprocess.run([sys.executable, "-m", "vramplan", "daemon", "stop"], check=True)
     text = "\n".join(lines) + "\n"
     if options.write:
         path = RESULTS / f"{datetime.date.today().isoformat()}-speed.md"

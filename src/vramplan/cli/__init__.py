@@ -22,6 +22,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 
 from vramplan import UserError
 from vramplan.cli.app import app
+from vramplan.cli.daemon.client import forward
 from vramplan.collector import paused
 
 EXIT_USER_ERROR = 2
@@ -33,6 +34,7 @@ def _register_commands() -> None:
         analytic_cmd,  # noqa: F401
         calibrate_cmd,  # noqa: F401
         check_cmd,  # noqa: F401
+        daemon_cmd,  # noqa: F401
         estimate_cmd,  # noqa: F401
         gpus_cmd,  # noqa: F401
         measure_cmd,  # noqa: F401
@@ -69,7 +71,11 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``vramplan`` script. Warnings from the libraries underneath
     (torch, transformers) are held back: after a refusal only the one error line is
     printed, after an answer each distinct warning is printed once. The cyclic garbage
-    collector is off until the first trace (``collector``)."""
+    collector is off until the first trace (``collector``). Run as the script (no
+    ``argv``), a command that traces goes to the warm daemon of this environment where one
+    listens (``vramplan daemon start``)."""
+    if argv is None and (code := forward(sys.argv[1:], os.environ)) is not None:
+        return code
     with warnings.catch_warnings(record=True) as caught, paused():
         warnings.simplefilter("default")
         code = _run(argv)
