@@ -4,6 +4,7 @@ reproduce through the ordinary flags, and honest answers when nothing fits."""
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 from conftest import PLAN_LLAMA
@@ -155,8 +156,12 @@ def test_mixed_precision_lever_follows_compute_capability(gpu, amp):
 def test_nothing_fits_says_so(tiny_cnn):
     bench = _bench(tiny_cnn, "512MiB")
     message = "does not fit .* even at batch size 1: the high end of its range needs"
-    with pytest.raises(UserError, match=message):
+    with pytest.raises(UserError, match=message) as refused:
         largest_fitting(bench, Recipe(batch_size=1, input_shape=(3, 32, 32)))
+    # both figures are the job's own bytes (no driver reserve), the high end above the central
+    found = re.search(r"needs ([\d,]+) bytes \(central ([\d,]+)\)", str(refused.value))
+    high, central = (int(found.group(i).replace(",", "")) for i in (1, 2))
+    assert high >= central
 
 
 def test_plan_without_gpu_lists_every_card(capsys, tiny_cnn):
