@@ -107,7 +107,7 @@ SLOW_ROWS = [
     _plan_row("meta-llama-3-8b", 30.0),
     _plan_row("meta-llama-3-70b", 60.0),
     (
-        "max-batch llama-3-8b s4096 bf16 a100-80gb",
+        "max-batch llama-3-8b s4096 bf16 fused a100-80gb",
         [
             "max-batch",
             "hf:meta-llama-3-8b",
@@ -117,6 +117,8 @@ SLOW_ROWS = [
             "bf16",
             "--checkpointing",
             "full",
+            "--optimizer-impl",
+            "fused",
             "--gpu",
             "a100-80gb",
         ],
