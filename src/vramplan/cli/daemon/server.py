@@ -26,6 +26,7 @@ import socket
 import struct
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from vramplan.cli.daemon.wire import receive, send
@@ -77,7 +78,7 @@ def _exit_code(exc: SystemExit) -> int:
     return 1
 
 
-def run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
+def run_child(request: dict, fds: list[int]) -> int:
     """In the forked child: become the command (its streams, directory, environment) and
     run it; its exit code."""
     from vramplan.cli import main
@@ -107,42 +108,64 @@ def run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     return code
 
 
-def _answer(conn: socket.socket, state: dict) -> bool:
-    """Serve one connection; False when the daemon should stop."""
-    request, fds = receive(conn)
-    if request is None or not _peer_is_me(conn):
+@dataclass
+class Daemon:
+    """One listening daemon: what ``vramplan daemon status`` reports, and the commands it
+    is running (its forked children)."""
+
+    path: Path
+    idle: float
+    listener: socket.socket
+    pid: int = field(default_factory=os.getpid)
+    started: float = field(default_factory=time.time)
+    served: int = 0
+    children: set[int] = field(default_factory=set)
+
+    def info(self) -> dict:
+        return {
+            "pid": self.pid,
+            "started": self.started,
+            "served": self.served,
+            "idle": self.idle,
+            "key": self.path.stem,
+            "path": str(self.path),
+        }
+
+    def answer(self, conn: socket.socket) -> bool:
+        """Serve one connection; False when the daemon should stop."""
+        request, fds = receive(conn)
+        if request is None or not _peer_is_me(conn):
+            for fd in fds:
+                os.close(fd)
+            return True
+        if "control" in request:
+            send(conn, self.info())
+            return request["control"] != "stop"
+        pid = os.fork()
+        if pid == 0:
+            code = 1
+            try:
+                self.listener.close()
+                send(conn, {"pid": os.getpid()})
+                code = run_child(request, fds)
+            finally:
+                with contextlib.suppress(OSError):
+                    send(conn, {"exit": code})
+                os._exit(code)
         for fd in fds:
             os.close(fd)
+        self.children.add(pid)
+        self.served += 1
         return True
-    if "control" in request:
-        info = {k: state[k] for k in ("pid", "started", "served", "idle", "key", "path")}
-        send(conn, info)
-        return request["control"] != "stop"
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            state["listener"].close()
-            send(conn, {"pid": os.getpid()})
-            code = run_child(conn, request, fds)
-        finally:
-            with contextlib.suppress(OSError):
-                send(conn, {"exit": code})
-            os._exit(code)
-    for fd in fds:
-        os.close(fd)
-    state["children"].add(pid)
-    state["served"] += 1
-    return True
 
-
-def _reap(children: set[int]) -> None:
-    for pid in list(children):
-        with contextlib.suppress(ChildProcessError):
-            done, _ = os.waitpid(pid, os.WNOHANG)
-            if done == 0:
-                continue
-        children.discard(pid)
+    def reap(self) -> None:
+        """Forget the children that ended."""
+        for pid in list(self.children):
+            with contextlib.suppress(ChildProcessError):
+                done, _ = os.waitpid(pid, os.WNOHANG)
+                if done == 0:
+                    continue
+            self.children.discard(pid)
 
 
 def serve(path: Path, idle: float) -> None:
@@ -151,39 +174,30 @@ def serve(path: Path, idle: float) -> None:
     warm_up()
     gc.collect()
     gc.freeze()  # what the children inherit stays out of their collections
-    state = {
-        "pid": os.getpid(),
-        "started": time.time(),
-        "served": 0,
-        "idle": idle,
-        "key": path.stem,
-        "path": str(path),
-        "children": set(),
-    }
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     staging = path.with_suffix(f".{os.getpid()}.tmp")
     listener.bind(os.fspath(staging))
     listener.listen(16)
     os.replace(staging, path)  # commands see the socket only once it is warm
     mine = os.stat(path).st_ino
-    state["listener"] = listener
+    daemon = Daemon(path, idle, listener)
     last = time.monotonic()
     try:
         while True:
             ready, _, _ = select.select([listener], [], [], 1.0)
-            _reap(state["children"])
+            daemon.reap()
             if not path.exists():
                 return
             if ready:
                 conn, _ = listener.accept()
                 with conn:
                     try:
-                        if not _answer(conn, state):
+                        if not daemon.answer(conn):
                             return
                     except OSError:  # the command went away mid-request: serve the next
                         pass
                 last = time.monotonic()
-            elif not state["children"] and time.monotonic() - last > idle:
+            elif not daemon.children and time.monotonic() - last > idle:
                 return
     finally:
         listener.close()
