@@ -124,3 +124,27 @@ def test_ctrl_c_reaches_the_command_in_the_daemon(daemon):
     assert _served(env, folder) == before + 1
     client.send_signal(signal.SIGINT)
     assert client.wait(timeout=60) == 128 + signal.SIGINT, client.stderr.read()
+
+
+def test_auto_starts_a_daemon_after_a_command_that_found_none(tmp_path):
+    (tmp_path / "net.py").write_text(FACTORY)
+    env = dict(
+        os.environ,
+        VRAMPLAN_DAEMON_DIR=str(tmp_path / "run"),
+        VRAMPLAN_DAEMON="auto",
+        HF_HUB_OFFLINE="1",
+    )
+    args = ["check", "net.py:make", "--input-shape", "64", "--gpu", "t4"]
+    try:
+        first = _vramplan(args, env, tmp_path)
+        assert first.returncode == 0, first.stderr
+        deadline = time.monotonic() + 240
+        while not list((tmp_path / "run").glob("*.sock")) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert _served(env, tmp_path) == 0  # started after the first command, not by it
+        second = _vramplan(args, env, tmp_path)
+        assert second.returncode == 0, second.stderr
+        assert _served(env, tmp_path) == 1
+        assert second.stdout == first.stdout
+    finally:
+        _vramplan(["daemon", "stop"], env, tmp_path)

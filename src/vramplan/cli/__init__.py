@@ -22,7 +22,7 @@ except ImportError:  # pragma: no cover - older typer uses click itself
 
 from vramplan import UserError
 from vramplan.cli.app import app
-from vramplan.cli.daemon.client import forward
+from vramplan.cli.daemon.client import forward, start_after
 from vramplan.collector import paused
 
 EXIT_USER_ERROR = 2
@@ -73,12 +73,16 @@ def main(argv: list[str] | None = None) -> int:
     printed, after an answer each distinct warning is printed once. The cyclic garbage
     collector is off until the first trace (``collector``). Run as the script (no
     ``argv``), a command that traces goes to the warm daemon of this environment where one
-    listens (``vramplan daemon start``)."""
-    if argv is None and (code := forward(sys.argv[1:], os.environ)) is not None:
+    listens (``vramplan daemon start``; under ``VRAMPLAN_DAEMON=auto`` one is started after a
+    command that found none)."""
+    environ = dict(os.environ)  # as the user set it: the libraries may add to it
+    if argv is None and (code := forward(sys.argv[1:], environ)) is not None:
         return code
     with warnings.catch_warnings(record=True) as caught, paused():
         warnings.simplefilter("default")
         code = _run(argv)
+    if argv is None:
+        start_after(sys.argv[1:], environ)
     seen = set()
     for warning in caught:
         text = " ".join(str(warning.message).split())

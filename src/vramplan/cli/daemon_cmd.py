@@ -9,10 +9,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -22,6 +19,7 @@ from vramplan import UserError
 from vramplan.cli.app import app
 from vramplan.cli.daemon.client import connect
 from vramplan.cli.daemon.key import daemon_dir, socket_path
+from vramplan.cli.daemon.launch import IDLE_MINUTES, let_go, spawn
 from vramplan.cli.daemon.wire import send
 
 ACTIONS = ("start", "stop", "status")
@@ -55,29 +53,15 @@ def _start(idle_minutes: float) -> int:
     if running is not None:
         print(f"vramplan daemon: already running, {_describe(running, path.stem)}")
         return 0
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    os.chmod(path.parent, 0o700)
-    log = open(path.with_suffix(".log"), "w")  # noqa: SIM115 - the daemon's own stderr
     began = time.monotonic()
-    daemon = subprocess.Popen(
-        [sys.executable, "-m", "vramplan.cli.daemon.server", "--socket", str(path)]
-        + ["--idle", str(idle_minutes * 60)],
-        stdin=subprocess.DEVNULL,
-        stdout=log,
-        stderr=log,
-        cwd=path.parent,
-        start_new_session=True,
-    )
-    log.close()
-    pid = daemon.pid
+    daemon = spawn(path, os.environ, idle_minutes)
     while not path.exists():
         if daemon.poll() is not None or time.monotonic() - began > READY_WAIT:
             daemon.kill()
             raise UserError(f"the daemon did not start; its log: {path.with_suffix('.log')}")
         time.sleep(0.1)
-    with warnings.catch_warnings():  # it runs on after this process: no "still running"
-        warnings.simplefilter("ignore", ResourceWarning)
-        del daemon
+    pid = daemon.pid
+    let_go(daemon)
     print(
         f"vramplan daemon: ready in {time.monotonic() - began:.1f} s (pid {pid}); "
         "estimate, check, max-batch, plan and serve in this environment now start warm; "
@@ -112,7 +96,7 @@ def daemon_command(
     action: Annotated[str, typer.Argument(help="start, stop (every daemon) or status")],
     idle: Annotated[
         float, typer.Option("--idle", help="minutes unused after which the daemon stops")
-    ] = 30.0,
+    ] = IDLE_MINUTES,
 ) -> int:
     """Keep torch and the model libraries imported in a background process, so that
     estimate, check, max-batch, plan and serve start in a fraction of a second."""

@@ -18,8 +18,10 @@ import signal
 import socket
 import sys
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 from vramplan.cli.daemon.key import ROUTED, SWITCH_ENV, daemon_dir, socket_path
+from vramplan.cli.daemon.launch import let_go, spawn
 from vramplan.cli.daemon.wire import send
 
 FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -83,6 +85,28 @@ def _relayed() -> Iterator[_Relay]:
             signal.signal(s, handler)
     if relay.pid is None and relay.held:  # the daemon never took the command
         raise KeyboardInterrupt
+
+
+def start_after(argv: list[str], environ: Mapping[str, str]) -> None:
+    """Under ``VRAMPLAN_DAEMON=auto``, after a traced command that found no daemon: start
+    one in the background for the next command (not waited for)."""
+    if not argv or argv[0] not in ROUTED or environ.get(SWITCH_ENV, "").lower() != "auto":
+        return
+    path = socket_path(environ)
+    if path.exists() or any(_alive(p) for p in path.parent.glob(f"{path.stem}.*.tmp")):
+        return  # one is listening, or warming up
+    let_go(spawn(path, environ))
+
+
+def _alive(staging: Path) -> bool:
+    """Whether the daemon that bound ``staging`` (``KEY.PID.tmp``) is still warming up."""
+    try:
+        os.kill(int(staging.suffixes[-2][1:]), 0)
+    except (ProcessLookupError, ValueError, IndexError):
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def forward(argv: list[str], environ: Mapping[str, str]) -> int | None:

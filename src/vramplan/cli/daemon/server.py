@@ -148,6 +148,8 @@ class Daemon:
                 self.listener.close()
                 send(conn, {"pid": os.getpid()})
                 code = run_child(request, fds)
+            except KeyboardInterrupt:  # a Ctrl-C before the command had begun
+                code = 128 + signal.SIGINT
             finally:
                 with contextlib.suppress(OSError):
                     send(conn, {"exit": code})
@@ -171,13 +173,17 @@ class Daemon:
 def serve(path: Path, idle: float) -> None:
     """Warm up, listen at ``path`` and answer until ``idle`` seconds pass with no request
     and no command running, a stop request comes, or ``path`` is removed."""
-    warm_up()
-    gc.collect()
-    gc.freeze()  # what the children inherit stays out of their collections
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    staging = path.with_suffix(f".{os.getpid()}.tmp")
+    staging = path.with_suffix(f".{os.getpid()}.tmp")  # a daemon warming up: see client
     listener.bind(os.fspath(staging))
     listener.listen(16)
+    try:
+        warm_up()
+    except BaseException:
+        os.unlink(staging)
+        raise
+    gc.collect()
+    gc.freeze()  # what the children inherit stays out of their collections
     os.replace(staging, path)  # commands see the socket only once it is warm
     mine = os.stat(path).st_ino
     daemon = Daemon(path, idle, listener)
@@ -186,8 +192,8 @@ def serve(path: Path, idle: float) -> None:
         while True:
             ready, _, _ = select.select([listener], [], [], 1.0)
             daemon.reap()
-            if not path.exists():
-                return
+            if not path.exists() or os.stat(path).st_ino != mine:
+                return  # removed, or another daemon took the path
             if ready:
                 conn, _ = listener.accept()
                 with conn:
