@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
+import torch
 from conftest import TINY_UNET
 
 from vramplan.errors import UserError
@@ -80,3 +82,23 @@ def test_a_dit_resolution_of_partial_patches_is_refused_before_tracing(configs):
         resolve(f"diffusers:{configs['dit']}", Recipe(resolution=72))
     whole = resolve(f"diffusers:{configs['dit']}", Recipe(resolution=80))
     assert whole.default_input_shape == (4, 10, 10)
+
+
+def test_a_pure_bf16_cast_logs_nothing(configs):
+    # diffusers' ModelMixin.to(dtype) logged "There are modules in UNet2DConditionModel that
+    # should be kept in float32: []" to stderr after every answer (the list is empty)
+    from vramplan.trace.storage import cast_parameters
+
+    recipe = Recipe(precision="bf16")
+    built = resolve(f"diffusers:{configs['unet']}", recipe)
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("diffusers.models.modeling_utils")
+    logger.addHandler(handler)
+    try:
+        cast_parameters(built.model, recipe)
+    finally:
+        logger.removeHandler(handler)
+    assert {p.dtype for p in built.model.parameters()} == {torch.bfloat16}
+    assert [r.getMessage() for r in records] == []

@@ -99,6 +99,10 @@ def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltMod
     from vramplan.sources.vision import require_package
 
     diffusers = require_package("diffusers", "diffusion")
+    # ModelMixin.to(dtype) logs "modules ... should be kept in float32: []" for every cast
+    # (`fp32_modules = self._keep_in_fp32_modules or []`, then `is not None`); the two
+    # classes built here keep none in float32, so pure bf16/fp16's cast is all it reports
+    diffusers.utils.logging.set_verbosity_error()
     config = _config(name)
     if recipe.num_classes is not None:
         raise UserError(
