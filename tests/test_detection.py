@@ -267,7 +267,9 @@ def test_images_without_objects_train_as_a_real_cpu_step_does(build):
     peaks = {}
     for counts in ("max", "min"):
         recipe = RECIPE.with_changes(batch_size=1, boxes_per_image=0, detection_counts=counts)
-        peaks[counts] = estimate_built(build(recipe), recipe, target="cpu").peak.allocated_bytes
+        estimate = estimate_built(build(recipe), recipe, target="cpu")
+        peaks[counts] = estimate.peak.allocated_bytes
+        assert any(f"images without objects (policy {counts}" in n for n in estimate.notes)
     assert peaks["max"] == peaks["min"]
     recipe = RECIPE.with_changes(batch_size=1, boxes_per_image=0)
     real = measure_built(build(recipe, "cpu"), recipe, "cpu", steps=2).allocated_bytes

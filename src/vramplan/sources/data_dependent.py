@@ -74,6 +74,13 @@ class CountPolicy:
         return min(candidates, self.boxes_per_image)
 
     def note(self) -> str:
+        if self.boxes_per_image == 0:
+            return (
+                f"images without objects (policy {self.name} alike): every anchor and "
+                "proposal is background, so the samplers take negatives only, the mask/"
+                "keypoint heads and the one-stage losses' foreground terms run on none; NMS "
+                "keeps every proposal up to rpn_post_nms_top_n_train"
+            )
         if self.name == "max":
             return (
                 "data-dependent steps at their configured maxima (policy max): every "
