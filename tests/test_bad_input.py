@@ -319,7 +319,7 @@ FLAGS = [
     ("timeout-zero", ["--timeout", "0"], "timeout must be a positive"),
     ("timeout-negative", ["--timeout", "-5"], "timeout must be a positive"),
     ("unknown-flag", ["--bogus-flag"], "No such option"),
-    ("boxes-zero", ["--boxes-per-image", "0"], "boxes per image must be a positive integer"),
+    ("boxes-negative", ["--boxes-per-image", "-1"], "boxes per image must be a whole number"),
     ("boxes-word", ["--boxes-per-image", "many"], "--boxes-per-image"),
     ("detection-counts", ["--detection-counts", "typical"], "unknown detection count policy"),
     ("targets-on-gpu", ["--targets-on-gpu", "polygons"], "unknown targets on the GPU"),

@@ -257,3 +257,33 @@ def test_fsdp_in_bf16_names_the_cast_of_the_targets():
     device = device_options(gpu="h100", data_parallel=2)
     with pytest.raises(UserError, match="casts every floating-point input to bfloat16"):
         estimate_built(_built(recipe), recipe, "cuda", device, engine=Fsdp2(2))
+
+
+@pytest.mark.parametrize("build", [_built, _tiny_retinanet], ids=["mask-rcnn", "retinanet"])
+def test_images_without_objects_train_as_a_real_cpu_step_does(build):
+    """COCO's background images: empty targets (boxes 0x4, masks 0xHxW). torchvision
+    matches every anchor and proposal to the background, so no policy has a positive; the
+    meta kernel of the masks' resize (an empty batch) no longer stops the trace."""
+    peaks = {}
+    for counts in ("max", "min"):
+        recipe = RECIPE.with_changes(batch_size=1, boxes_per_image=0, detection_counts=counts)
+        estimate = estimate_built(build(recipe), recipe, target="cpu")
+        peaks[counts] = estimate.peak.allocated_bytes
+        assert any(f"images without objects (policy {counts}" in n for n in estimate.notes)
+    assert peaks["max"] == peaks["min"]
+    recipe = RECIPE.with_changes(batch_size=1, boxes_per_image=0)
+    real = measure_built(build(recipe, "cpu"), recipe, "cpu", steps=2).allocated_bytes
+    assert peaks["max"] == pytest.approx(real, rel=0.03)
+    with pytest.raises(UserError, match="boxes per image must be a whole number"):
+        RECIPE.with_changes(boxes_per_image=-1)
+
+
+def test_the_samplers_take_negatives_only_without_a_ground_truth_box():
+    from torchvision.models.detection._utils import BalancedPositiveNegativeSampler
+
+    ledger = Ledger()
+    sampler = PolicySampler(
+        BalancedPositiveNegativeSampler(512, 0.25), CountPolicy("max", 0), ledger, "roi"
+    )
+    sampler([torch.zeros(2000, dtype=torch.int64)])
+    assert ledger.sampled["roi"] == [(0, 512)]

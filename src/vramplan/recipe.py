@@ -505,8 +505,8 @@ DIFFUSION_ENCODERS = ("precomputed", "frozen")
 def _check_vision(recipe: Recipe) -> None:
     """Validate the vision-task knobs in place."""
     boxes = recipe.boxes_per_image
-    if not isinstance(boxes, int) or isinstance(boxes, bool) or boxes <= 0:
-        raise UserError(f"boxes per image must be a positive integer, got {boxes}")
+    if not isinstance(boxes, int) or isinstance(boxes, bool) or boxes < 0:
+        raise UserError(f"boxes per image must be a whole number (0 or more), got {boxes}")
     for name in ("resolution", "frames"):
         value = getattr(recipe, name)
         if value is not None and (

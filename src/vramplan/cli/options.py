@@ -664,7 +664,8 @@ BoxesPerImageOpt = Annotated[
     int,
     typer.Option(
         "--boxes-per-image",
-        help="Detection: ground-truth boxes (with masks/keypoints) per image in the batch.",
+        help="Detection: ground-truth boxes (with masks/keypoints) per image in the batch "
+        "(0: images without objects).",
     ),
 ]
 DetectionCountsOpt = Annotated[

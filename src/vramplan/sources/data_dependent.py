@@ -15,6 +15,11 @@ detection model runs, ``CountMode`` answers each of them with the number the pol
   ground truth is always among the proposals, and every box keeps its best anchor); the
   samplers fill the rest of their batch with negatives as they do.
 
+An image without objects (``--boxes-per-image 0``, COCO's background images; torchvision
+then matches every anchor and proposal to the background) has no positive under either
+policy: the samplers take negatives only, and the foreground selections of RetinaNet's,
+FCOS's and SSD's losses (and SSD's hard negatives, three per positive) select nothing.
+
 Both policies answer the other counts alike: NMS keeps every box, a low-quality match
 adds one anchor per ground-truth box, ``unique`` finds one class, RoIAlign puts every
 region on one pyramid level, and ``.any()`` of a check finds nothing wrong.
@@ -60,12 +65,22 @@ class CountPolicy:
             )
 
     def positives(self, candidates: int) -> int:
-        """Positive matches among ``candidates`` anchors or proposals of one image."""
+        """Positive matches among ``candidates`` anchors or proposals of one image (none
+        without a ground-truth box)."""
+        if self.boxes_per_image == 0:
+            return 0
         if self.name == "max":
             return candidates
         return min(candidates, self.boxes_per_image)
 
     def note(self) -> str:
+        if self.boxes_per_image == 0:
+            return (
+                f"images without objects (policy {self.name} alike): every anchor and "
+                "proposal is background, so the samplers take negatives only, the mask/"
+                "keypoint heads and the one-stage losses' foreground terms run on none; NMS "
+                "keeps every proposal up to rpn_post_nms_top_n_train"
+            )
         if self.name == "max":
             return (
                 "data-dependent steps at their configured maxima (policy max): every "
@@ -81,9 +96,11 @@ class CountPolicy:
 
 @dataclass
 class Ledger:
-    """What the samplers chose in this step: (positives, negatives) per image, by head."""
+    """What the samplers chose in this step: (positives, negatives) per image, by head;
+    ``boxes``: the ground-truth boxes per image (None where the caller does not say)."""
 
     sampled: dict[str, list[tuple[int, int]]] = field(default_factory=dict)
+    boxes: int | None = None
 
     def positives(self, head: str, image: int | None = None) -> int:
         counts = self.sampled.get(head, [])
@@ -182,8 +199,21 @@ SITE_RULES: dict[tuple[str, str], Rule] = {
 }
 
 
+# What a one-stage loss selects through its anchors' matches (RetinaNet's and SSD's
+# ``foreground_idxs_per_image``, FCOS's ``foregroud_mask``, SSD's ``foreground_idxs`` and its
+# hard negatives ``background_idxs``, three per positive): nothing without a ground-truth box.
+NO_BOX_SITES = ("foreground", "foregroud", "matched_idxs_per_image >= 0", "background_idxs")
+NO_BOX_STATEMENT = "gt_classes_target["
+"""RetinaNet's ``gt_classes_target[foreground_idxs_per_image, ...] = 1.0`` spans four lines;
+its store is reported on this, the first (the line alone, not its valid-anchors index)."""
+
+
 def _count(mask: torch.Tensor, ledger: Ledger) -> int:
     function, line, local = _caller()
+    if ledger.boxes == 0 and (
+        line == NO_BOX_STATEMENT or any(site in line for site in NO_BOX_SITES)
+    ):
+        return 0
     for (name, text), rule in SITE_RULES.items():
         if function == name and text in line:
             return min(int(rule(mask, ledger, local)), mask.numel())
@@ -217,6 +247,9 @@ def _has_value(tensor: torch.Tensor) -> bool:
     return not isinstance(tensor, FakeTensor) or tensor.constant is not None
 
 
+_NEAREST_2D = (aten.upsample_nearest2d.default, aten._upsample_nearest_exact2d.default)
+
+
 class CountMode(TorchDispatchMode):
     """Answer data-dependent ops with the policy's counts (see the module docstring)."""
 
@@ -239,6 +272,12 @@ class CountMode(TorchDispatchMode):
             return False if args[0].dtype == torch.bool else 1
         if func is torch.ops.torchvision.nms.default:
             return torch.zeros(args[0].shape[0], dtype=torch.int64, device=args[0].device)
+        if func in _NEAREST_2D and args[0].numel() == 0:
+            # an image's masks without a box (0xHxW) resized with it: the meta kernel's
+            # `torch._check(input.numel() != 0 or multiply_integers(...))` hands an int to
+            # torch._check ("cond must be a bool"); the CPU and CUDA kernels return the
+            # empty batch at the new size
+            return args[0].new_empty((*args[0].shape[:2], *args[1]))
         if func is aten._unique2.default:
             values = args[0].new_zeros(min(1, args[0].numel()))
             inverse = torch.zeros(args[0].shape, dtype=torch.int64, device=args[0].device)

@@ -240,7 +240,7 @@ def detection_source(
     """A ``BuiltModel`` for any torchvision-style detection model (a ``GeneralizedRCNN``,
     ``RetinaNet``, ``FCOS`` or ``SSD`` built by the caller, on the meta device for tracing)."""
     policy = CountPolicy(recipe.detection_counts, recipe.boxes_per_image)
-    ledger = Ledger()
+    ledger = Ledger(boxes=recipe.boxes_per_image)
     _policy_hooks(model, policy, ledger)
     transform = model.transform
     default = (3, max(transform.min_size), transform.max_size)
