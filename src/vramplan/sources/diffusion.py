@@ -20,7 +20,6 @@ them in every step (``diffusion_encoders.py``; Stable Diffusion 1.5/2.1 UNets).
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -29,7 +28,6 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch, BuiltModel
-from vramplan.sources.lean_import import DIFFUSERS_UNUSED, hidden
 
 CONFIGS = Path(__file__).resolve().parent.parent / "data" / "diffusers"
 CLASSES = ("UNet2DConditionModel", "DiTTransformer2DModel")
@@ -98,7 +96,9 @@ def _latent_shape(recipe: Recipe, config: dict) -> tuple[int, ...]:
 
 def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     """A diffusers UNet2DConditionModel or DiTTransformer2DModel, no weights."""
-    diffusers = _import_diffusers()
+    from vramplan.sources.vision import require_package
+
+    diffusers = require_package("diffusers", "diffusion")
     # ModelMixin.to(dtype) logs "modules ... should be kept in float32: []" for every cast
     # (`fp32_modules = self._keep_in_fp32_modules or []`, then `is not None`); the two
     # classes built here keep none in float32, so pure bf16/fp16's cast is all it reports
@@ -174,20 +174,6 @@ def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltMod
         ],
         input_hint="check --resolution / --input-shape (latents CxHxW) / --seq-len",
     )
-
-
-def _import_diffusers():
-    """diffusers, imported (when this process has not yet) without the backends it probes
-    for that a config-built model never uses (``lean_import.py``)."""
-    from vramplan.sources.vision import require_package
-
-    if "diffusers" in sys.modules:
-        return require_package("diffusers", "diffusion")
-    with hidden(DIFFUSERS_UNUSED):
-        diffusers = require_package("diffusers", "diffusion")
-        for kind in CLASSES:  # diffusers imports a class's module on first access
-            getattr(diffusers, kind)
-    return diffusers
 
 
 def _checkpoint(module: nn.Module, limit: int | None, every: int = 1, ops: bool = False) -> int:
