@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import importlib
 import io
 import json
 import os
@@ -47,10 +48,23 @@ def _peer_is_me(conn: socket.socket) -> bool:
     return struct.unpack("3i", creds)[1] == os.getuid()
 
 
+OPTIONAL = ("diffusers", "peft", "timm")
+"""Model libraries the warm-up estimates do not load, imported when installed (diffusers
+alone is about 5 s: its model modules probe for peft, bitsandbytes and accelerate)."""
+DIFFUSERS_CLASSES = ("UNet2DConditionModel", "DiTTransformer2DModel", "AutoencoderKL")
+
+
 def warm_up() -> None:
     """Import what the commands import and run the forward-only ``WARM_UP`` estimates,
     their output discarded (a missing optional library only skips its estimate)."""
     from vramplan.cli import main
+
+    for name in OPTIONAL:
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
+    for name in DIFFUSERS_CLASSES:  # diffusers imports each model module when first named
+        with contextlib.suppress(Exception):
+            getattr(sys.modules["diffusers"], name)
 
     for argv in WARM_UP:
         quiet = io.StringIO()
