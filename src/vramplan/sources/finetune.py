@@ -142,7 +142,14 @@ def wrap_lora(model: nn.Module, recipe: Recipe, kind: str) -> nn.Module:
             warnings.simplefilter("ignore")
             return peft.get_peft_model(model, config)
     except (ValueError, TypeError, KeyError) as exc:
-        raise UserError(f"peft cannot add LoRA adapters: {exc}") from None
+        hint = ""
+        if recipe.lora_targets is None:  # peft's own defaults found nothing to wrap
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+            hint = (
+                f" (peft's default targets for {model_type or 'this model'} found none: "
+                "pass --lora-targets, e.g. all-linear or q_proj,v_proj)"
+            )
+        raise UserError(f"peft cannot add LoRA adapters: {exc}{hint}") from None
 
 
 def apply_freezing(model: nn.Module, freeze: str | None, train_only: str | None) -> None:

@@ -1,7 +1,8 @@
-"""Which linears ``--quantize`` replaces: the ones transformers' bitsandbytes quantizer
-replaces. Ground truth: transformers' own ``replace_with_bnb_linear`` with the quantizer's
-``modules_to_not_convert`` (``get_keys_to_not_convert`` plus ``_keep_in_fp32_modules``),
-run on the meta device."""
+"""What the fine-tuning sweep (benchmarks/results/2026-11-27-finetune-sweep.md) found.
+Which linears ``--quantize`` replaces: the ones transformers' bitsandbytes quantizer
+replaces (ground truth: transformers' own ``replace_with_bnb_linear`` with the quantizer's
+``modules_to_not_convert``, run on the meta device); what peft says when its default
+targets find nothing."""
 
 from __future__ import annotations
 
@@ -67,3 +68,19 @@ def test_quantized_linears_are_the_ones_transformers_replaces(config, recipe, tm
     assert ours == transformers_quantized(config)
     estimate, _ = trace_and_estimate(built, recipe, "cpu")
     assert estimate.peak.allocated_bytes > 0
+
+
+TINY_MIXTRAL = {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"],
+                "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "num_key_value_heads": 1, "num_local_experts": 2,
+                "vocab_size": 64, "max_position_embeddings": 64}  # fmt: skip
+
+
+def test_lora_without_peft_default_targets_says_which_flag_to_pass(tmp_path, run_cli):
+    """peft 0.21 wraps nothing by default in transformers 5's Mixtral (and has no default
+    for Phi-3, Qwen2-MoE or LLaVA): its own error, and the flag that fixes it."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_MIXTRAL))
+    code, _, err = run_cli("estimate", f"hf:{path}", "-s", "8", "--lora", "4")
+    assert code == 2 and "peft cannot add LoRA adapters" in err and "--lora-targets" in err
+    assert len(err.strip().splitlines()) == 1
