@@ -84,3 +84,17 @@ def test_lora_without_peft_default_targets_says_which_flag_to_pass(tmp_path, run
     code, _, err = run_cli("estimate", f"hf:{path}", "-s", "8", "--lora", "4")
     assert code == 2 and "peft cannot add LoRA adapters" in err and "--lora-targets" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_nf4_says_when_3d_expert_weights_stay_unquantized(tmp_path):
+    """transformers 5's Mixtral experts are 3-D parameters: bitsandbytes' linear
+    replacement leaves them in 16 bits (most of the weights), and the estimate says so;
+    ``--experts linear`` (4.x's linears) quantizes them and needs no such note."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_MIXTRAL))
+    fused = resolve(f"hf:{path}", Recipe(seq_len=8, quantize="nf4"))
+    experts = sum(p.numel() for p in fused.model.parameters() if p.dim() == 3)
+    assert experts == 3 * 2 * 32 * 64  # gate, up and down of 2 experts, 32 x 64 each
+    assert any(f"leaves {experts:,} expert weights unquantized" in n for n in fused.notes)
+    linear = resolve(f"hf:{path}", Recipe(seq_len=8, quantize="nf4", experts="linear"))
+    assert not any("expert weights unquantized" in n for n in linear.notes)

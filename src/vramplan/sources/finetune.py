@@ -227,6 +227,7 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
             f"computing in {str(dtype).removeprefix('torch.')}: bitsandbytes' layouts modelled, "
             "not bitsandbytes itself"
         )
+        notes.extend(_unreached_experts(model, recipe.quantize))
     if recipe.lora_rank:
         model = wrap_lora(model, recipe, built.kind)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -242,6 +243,20 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
     built.model = model
     built.notes = notes
     return built
+
+
+def _unreached_experts(model: nn.Module, scheme: str) -> list[str]:
+    """A note when expert weights stay unquantized: transformers 5 holds a mixture of
+    experts' weights as 3-D parameters, which ``replace_with_bnb_linear`` (``nn.Linear``
+    and ``Conv1D`` only) does not reach."""
+    kept = sum(p.numel() for p in model.parameters() if p.dim() >= 3)
+    if not kept:
+        return []
+    return [
+        f"--quantize {scheme} leaves {kept:,} expert weights unquantized: transformers 5 holds "
+        "them as 3-D parameters, which bitsandbytes' linear replacement does not reach "
+        "(--experts linear: transformers 4.x's per-expert linears, quantized)"
+    ]
 
 
 def _quantize_int4(model: nn.Module, recipe: Recipe, name: str) -> str:
