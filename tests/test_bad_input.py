@@ -435,6 +435,7 @@ for name in ("in-backward-accum", "loss-chunks-and-fused"):
 case("estimate-loss-chunks-on-cnn", ["estimate", f"{M}:cnn", "--loss-chunks", "4"], "causal LM")
 case("estimate-fused-ce-on-cnn", ["estimate", f"{M}:cnn", "--fused-ce"], "causal LM")
 case("estimate-packing-on-cnn", ["estimate", f"{M}:cnn", "--packing"], "packs token sequences")
+case("estimate-quantize-cnn", ["estimate", f"{M}:cnn", "--quantize", "nf4"], "not a transformers")
 # -- framework storage (trace/storage.py, sources/loss.py) --------------------------------------
 case("estimate-weights-dtype-pure", ["estimate", T, "--weights-dtype", "bf16"], "amp-bf16")
 case(

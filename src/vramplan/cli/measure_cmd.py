@@ -1,6 +1,7 @@
 """``vramplan measure``: run the step for real and put it beside the estimate.
 
 $ vramplan measure torchvision:resnet18 --batch-size 8
+$ vramplan measure hf:HuggingFaceTB/SmolLM2-135M --seq-len 64 --lora 8 --device cpu
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import typer
 
 from vramplan.cli.app import app
 from vramplan.cli.options import (
+    FINETUNING,
     AllocConfOpt,
     BackboneNormOpt,
     BatchSize,
@@ -38,6 +40,7 @@ from vramplan.cli.options import (
     UnitsOpt,
     recipe_from_options,
     session_from_options,
+    with_options,
 )
 from vramplan.report.measure import comparison_rows, render_comparison
 from vramplan.report.outputs import check_report_paths, write_reports
@@ -58,6 +61,7 @@ SnapshotOpt = Annotated[
 
 
 @app.command("measure")
+@with_options(*FINETUNING)
 def measure_command(
     model: Model,
     batch_size: BatchSize = 1,
@@ -87,10 +91,12 @@ def measure_command(
     trust_remote_code: TrustRemoteCodeOpt = False,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
+    **shared,
 ) -> int:
-    """Run N real steps, measure memory, and print estimate vs measurement and a leak check."""
+    """Run N real steps, measure memory, and print estimate vs measurement and a leak check
+    (LoRA, frozen parameters and the recipe tricks run for real too)."""
     check_units(units)
-    recipe = recipe_from_options(locals())
+    recipe = recipe_from_options({**locals(), **shared})
     check_report_paths(html, plot)
     session = session_from_options(locals())
     result = session.measure(recipe, device=device, steps=steps, snapshot=snapshot)

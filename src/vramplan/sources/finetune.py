@@ -58,8 +58,7 @@ def compute_dtype_for(recipe: Recipe) -> torch.dtype:
 
 
 def _output_head(model: nn.Module) -> set[int]:
-    """The modules bitsandbytes leaves unquantized: the output embedding (transformers'
-    ``get_keys_to_not_convert``: ``lm_head``) and any linear named ``lm_head``."""
+    """The output embedding (``get_output_embeddings``) and any module named ``lm_head``."""
     skip = set()
     get_output = getattr(model, "get_output_embeddings", None)
     head = get_output() if callable(get_output) else None
@@ -69,6 +68,26 @@ def _output_head(model: nn.Module) -> set[int]:
         if name.split(".")[-1] == "lm_head":
             skip.add(id(module))
     return skip
+
+
+def kept_unquantized(model: nn.Module) -> set[int]:
+    """The modules transformers' bitsandbytes and FP8 quantizers leave as they are, by
+    transformers' own rule (``HfQuantizer.get_modules_to_not_convert`` with the class's
+    ``_keep_in_fp32_modules``, matched by ``should_convert_module``, transformers 5
+    ``quantizers/``): tied weights, the output embedding, the last parameter's name less
+    ``.weight`` (a classifier with a bias is quantized: its last parameter is the bias),
+    and T5's ``wo``. Before transformers 5, the output head (``_output_head``)."""
+    try:
+        from transformers.quantizers.base import HfQuantizer
+        from transformers.quantizers.quantizers_utils import should_convert_module
+    except ImportError:
+        return _output_head(model)
+    keys = HfQuantizer.get_modules_to_not_convert(model, None, model._keep_in_fp32_modules)
+    return {id(m) for name, m in model.named_modules() if not should_convert_module(name, keys)}
+
+
+def _is_transformers_model(model: nn.Module) -> bool:
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
 
 
 def _quiet_bitsandbytes_import() -> None:
@@ -123,7 +142,14 @@ def wrap_lora(model: nn.Module, recipe: Recipe, kind: str) -> nn.Module:
             warnings.simplefilter("ignore")
             return peft.get_peft_model(model, config)
     except (ValueError, TypeError, KeyError) as exc:
-        raise UserError(f"peft cannot add LoRA adapters: {exc}") from None
+        hint = ""
+        if recipe.lora_targets is None:  # peft's own defaults found nothing to wrap
+            model_type = getattr(getattr(model, "config", None), "model_type", None)
+            hint = (
+                f" (peft's default targets for {model_type or 'this model'} found none: "
+                "pass --lora-targets, e.g. all-linear or q_proj,v_proj)"
+            )
+        raise UserError(f"peft cannot add LoRA adapters: {exc}{hint}") from None
 
 
 def apply_freezing(model: nn.Module, freeze: str | None, train_only: str | None) -> None:
@@ -158,11 +184,16 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
         if device != "meta":
             raise UserError("--quantize is modelled on the meta device only; it cannot be run")
         notes.append(_quantize_int4(model, recipe, built.name))
+    elif recipe.quantize != "none" and not _is_transformers_model(model):
+        raise UserError(
+            f"--quantize {recipe.quantize} is transformers' quantization_config at "
+            f"from_pretrained; {built.name} is not a transformers model"
+        )
     elif recipe.quantize == "fp8":
         if device != "meta":
             raise UserError("--quantize is modelled on the meta device only; it cannot be run")
-        if quantize_fp8_linears(model, _output_head(model)) == 0:
-            raise UserError(f"--quantize fp8: {built.name} has no linear layer")
+        if quantize_fp8_linears(model, kept_unquantized(model)) == 0:
+            raise UserError(f"--quantize fp8: {built.name} has no linear layer to quantize")
         notes.append(
             "quantized fp8: every linear but the output head as transformers' fine-grained "
             "FP8 (e4m3 weights, fp32 scales per 128 x 128 block; fused activation "
@@ -177,11 +208,13 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
             recipe.quantize,
             recipe.double_quant,
             dtype,
-            _output_head(model),
+            kept_unquantized(model),
             dequantized_dtype(recipe.bnb_version, _WEIGHT_DTYPES[recipe.param_dtype_name]),
         )
         if count == 0:
-            raise UserError(f"--quantize {recipe.quantize}: {built.name} has no linear layer")
+            raise UserError(
+                f"--quantize {recipe.quantize}: {built.name} has no linear layer to quantize"
+            )
         stats = "double-quantized absmax" if recipe.double_quant else "fp32 absmax per 64"
         layout = (
             "int8 weights, fp32 row scales"
@@ -189,10 +222,12 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
             else f"packed 4-bit weights, {stats}"
         )
         notes.append(
-            f"quantized {recipe.quantize}: {count} linear layers ({layout}; output head kept), "
+            f"quantized {recipe.quantize}: {count} linear layers ({layout}; the output head "
+            "and the modules transformers keeps left as they are), "
             f"computing in {str(dtype).removeprefix('torch.')}: bitsandbytes' layouts modelled, "
             "not bitsandbytes itself"
         )
+        notes.extend(_unreached_experts(model, recipe.quantize))
     if recipe.lora_rank:
         model = wrap_lora(model, recipe, built.kind)
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -208,6 +243,20 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
     built.model = model
     built.notes = notes
     return built
+
+
+def _unreached_experts(model: nn.Module, scheme: str) -> list[str]:
+    """A note when expert weights stay unquantized: transformers 5 holds a mixture of
+    experts' weights as 3-D parameters, which ``replace_with_bnb_linear`` (``nn.Linear``
+    and ``Conv1D`` only) does not reach."""
+    kept = sum(p.numel() for p in model.parameters() if p.dim() >= 3)
+    if not kept:
+        return []
+    return [
+        f"--quantize {scheme} leaves {kept:,} expert weights unquantized: transformers 5 holds "
+        "them as 3-D parameters, which bitsandbytes' linear replacement does not reach "
+        "(--experts linear: transformers 4.x's per-expert linears, quantized)"
+    ]
 
 
 def _quantize_int4(model: nn.Module, recipe: Recipe, name: str) -> str:

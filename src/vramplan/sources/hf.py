@@ -32,6 +32,7 @@ from vramplan.sources.hf_inputs import (
     image_tokens,
     learned_positions,
     model_kind,
+    one_sequence_per_row,
     value_checks_off,
 )
 from vramplan.sources.hf_moe import experts_name, is_moe, moe_note
@@ -221,7 +222,7 @@ def wrap_hf_model(model: nn.Module, recipe: Recipe, built_name: str) -> BuiltMod
 
     def run(module: nn.Module, batch: Batch, training: bool):
         checks = contextlib.nullcontext() if inputs.value_checks else value_checks_off()
-        with checks:
+        with checks, one_sequence_per_row():
             if training:
                 return module(**batch, **inputs.loss_kwargs).loss
             keep_labels = kind in ENCODER_DECODER  # the decoder reads them

@@ -62,6 +62,33 @@ def value_checks_off() -> Iterator[None]:
             os.environ[key] = before
 
 
+@contextlib.contextmanager
+def one_sequence_per_row() -> Iterator[None]:
+    """transformers 5's causal mask looks for packed sequences in the position ids
+    (``masking_utils.find_packed_sequence_indices``, reached when there is no cache, as
+    under gradient checkpointing) and, where it cannot read their values (fake tensors:
+    ``is_tracing``), keeps the packed-sequence mask: a ``[batch, 1, seq, seq]`` mask is
+    built and SDPA loses ``is_causal`` (and grouped-query attention its ``enable_gqa``).
+    The example batches hold one sequence per row (positions 0..seq-1), for which a real
+    run's answer is None; the function still runs, for its temporaries."""
+    import sys
+
+    masking = sys.modules.get("transformers.masking_utils")
+    find = getattr(masking, "find_packed_sequence_indices", None)
+    if find is None:
+        yield
+        return
+
+    def unpacked(position_ids: torch.Tensor) -> None:
+        find(position_ids)
+
+    masking.find_packed_sequence_indices = unpacked
+    try:
+        yield
+    finally:
+        masking.find_packed_sequence_indices = find
+
+
 def model_kind(model: nn.Module) -> str:
     """What the model takes and returns, from its class and config."""
     arch = type(model).__name__
