@@ -76,9 +76,9 @@ def test_version_1_adds_the_hold_where_fsdp1_holds(peak, llama):
 
 def test_check_takes_the_version(run_cli, llama):
     """``check --fsdp-version 1`` judges what ``estimate`` does under the same flags: the
-    hold FSDP1 adds (LoRA, reentrant checkpointing; 16 samples of 128 tokens, so that it
+    hold FSDP1 adds (LoRA, reentrant checkpointing; 32 samples of 128 tokens, so that it
     reaches the device total) makes its device total larger than FSDP2's."""
-    step = ("--batch-size", "16", "--seq-len", "128", "--checkpointing", "full", *LORA)
+    step = ("--batch-size", "32", "--seq-len", "128", "--checkpointing", "full", *LORA)
     totals = {}
     for version in ("1", "2"):
         flags = (*step, "--reentrant", "--fsdp", "2", "--fsdp-version", version)
