@@ -207,9 +207,6 @@ def parse_table(data: dict, path: str = "<memory>") -> MeasuredTable:
                 first,
                 first if cached is None else int(cached),
             )
-        batches: dict[tuple, list] = {}
-        for key, sizes in workspaces.items():
-            batches.setdefault(_unbatched(key), []).append((key[3][0], sizes))
         return MeasuredTable(
             path=path,
             gpu=data["gpu"],
@@ -218,10 +215,42 @@ def parse_table(data: dict, path: str = "<memory>") -> MeasuredTable:
             nvml={k: int(v) for k, v in data.get("nvml", {}).items() if v is not None},
             cublas=dict(data.get("cublas", {})),
             workspaces=workspaces,
-            batches={key: sorted(points) for key, points in batches.items()},
+            batches=_batches_of(workspaces),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise UserError(f"malformed measured table {path}: {exc}") from None
+
+
+def _batches_of(workspaces: dict[tuple, tuple[int, int]]) -> dict[tuple, list]:
+    """``MeasuredTable.batches``: each configuration's workspaces by batch, sorted."""
+    batches: dict[tuple, list] = {}
+    for key, sizes in workspaces.items():
+        batches.setdefault(_unbatched(key), []).append((key[3][0], sizes))
+    return {key: sorted(points) for key, points in batches.items()}
+
+
+def with_sibling_workspaces(own: MeasuredTable, siblings: list[MeasuredTable]) -> MeasuredTable:
+    """``own`` with the convolution configurations it lacks taken from sibling tables of the
+    same stack (its own records win): the H100 SXM and H200 harvests measured the same
+    workspace in 1559 of 1560 shared configurations, so a batch one card's harvest ran and
+    the other's did not is a measurement, not an interpolation, on both.
+
+    >>> row = {"pass": "forward", "dtype": "float32", "weight": [8, 8, 3, 3],
+    ...        "stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
+    >>> own = parse_table({"schema": SCHEMA, "gpu": "H100", "conv_workspaces": [
+    ...     {**row, "input": [32, 8, 32, 32], "workspace_bytes": 100}]})
+    >>> sibling = parse_table({"schema": SCHEMA, "gpu": "H200", "conv_workspaces": [
+    ...     {**row, "input": [n, 8, 32, 32], "workspace_bytes": w}
+    ...     for n, w in ((32, 7), (64, 250))]})
+    >>> sorted(with_sibling_workspaces(own, [sibling]).workspaces.values())
+    [(100, 100), (250, 250)]
+    """
+    same_stack = [table for table in siblings if table.stack_slug == own.stack_slug]
+    workspaces = {k: v for table in same_stack for k, v in table.workspaces.items()}
+    workspaces.update(own.workspaces)
+    if len(workspaces) == len(own.workspaces):
+        return own
+    return replace(own, workspaces=workspaces, batches=_batches_of(workspaces))
 
 
 def _folders() -> list[Path]:
@@ -316,12 +345,18 @@ def measured_for(gpu: str, stack: str) -> MeasuredTable | None:
     The H100 SXM and H200 harvests (sm90, torch 2.11 + CUDA 13.0, cuDNN 9.19) measured the
     same workspace in 1559 of the 1560 benchmark-off convolution configurations both ran
     (the other 272 bytes apart) and the same floor: cuDNN's heuristics choose engines by
-    compute capability and problem, not by memory size. ``None`` when no card of the
-    architecture has a table on that CUDA."""
+    compute capability and problem, not by memory size. For the same reason a card's own
+    table takes the configurations it lacks from its siblings' tables of the same stack
+    (``with_sibling_workspaces``). ``None`` when no card of the architecture has a table on
+    that CUDA."""
     own = _nearest(_tables_of(gpu), stack)
     if own is not None:
-        return own if own.stack_slug == slug(stack) else replace(own, exact=False)
-    sibling = _nearest(_sibling_tables(gpu), stack)
+        if own.stack_slug != slug(stack):
+            return replace(own, exact=False)
+        return with_sibling_workspaces(own, _sibling_tables(gpu))
+    siblings = _sibling_tables(gpu)
+    sibling = _nearest(siblings, stack)
     if sibling is None:
         return None
+    sibling = with_sibling_workspaces(sibling, [t for t in siblings if t is not sibling])
     return replace(sibling, exact=False, sibling=True, nvml={})
