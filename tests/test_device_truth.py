@@ -561,3 +561,23 @@ def test_benchmark_on_without_a_table_warns_that_the_search_may_read_higher(tmp_
     off = _estimate(gpu="a100-40gb", stack="torch2.5-cu12.4")
     assert any(n.startswith("benchmark on: each configuration's first call") for n in on.notes)
     assert not any(n.startswith("benchmark on:") for n in off.notes)
+
+
+@pytest.mark.parametrize("name", ["lstm-adamw", "gpt2-amp-s256"])
+def test_cudnn_rnn_and_cudnn_attention_load_cudnn_kernels_as_the_h200_measured(name):
+    """The H200 fresh-process study: the LSTM (cuDNN RNN on CUDA) and a bf16 GPT-2 (SDPA's
+    cuDNN attention on sm90) held the harvest's gemm_conv floor, 16 MiB of cuDNN kernels
+    above its gemm floor, with no convolution in the step. The floor outside the allocator
+    (device total less reserved) is estimated at or just above what was measured."""
+    from pathlib import Path
+
+    from benchmarks.accuracy.gpu_table import estimate_row, study_rows, table_identity
+
+    folder = Path(__file__).resolve().parents[1] / "benchmarks/results"
+    folder /= "gpu-nvidia-h200-2026-11-27-fresh"
+    gpu, stack = table_identity(folder)
+    row = next(r for r in study_rows(next((folder / "accuracy").glob("*.csv"))) if r.name == name)
+    result = estimate_row(row, gpu, stack)
+    measured = result["measured_device_total"] - result["measured_reserved"]
+    estimated = result["estimate_device_total"] - result["estimate_reserved"]
+    assert measured <= estimated <= measured + 8 * MiB, (measured, estimated)

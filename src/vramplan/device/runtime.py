@@ -28,8 +28,37 @@ def uses_matmul(trace: Trace, phase: Phase) -> bool:
     return any(p == phase and library_of(op) is Library.MATMUL for (p, op) in trace.op_counts)
 
 
-def uses_convolution(trace: Trace) -> bool:
-    return bool(trace.markers)
+CUDNN_OPS = (
+    "_scaled_dot_product_cudnn_attention",
+    "_cudnn_rnn",
+    "cudnn_batch_norm",
+    "cudnn_convolution",
+)
+"""Op name prefixes (backwards included) that run in cuDNN beside convolutions."""
+CUDNN_RNN_MODULES = ("LSTM", "GRU", "RNN")
+"""Whole-sequence recurrent modules: on CUDA ``aten::lstm``/``gru``/``rnn_*`` run cuDNN's
+RNN (``aten/src/ATen/native/RNN.cpp``: ``use_cudnn`` -> ``at::cudnn_is_acceptable``), while
+the CPU trace records their cell decomposition (``_thnn_fused_lstm_cell``, which the
+``*Cell`` modules also run on CUDA, without cuDNN)."""
+
+
+def uses_cudnn(trace: Trace) -> bool:
+    """Whether the step calls cuDNN, which loads its kernels into the process: convolutions
+    (each leaves a workspace marker), cuDNN attention (SDPA's first choice on sm90/sm100,
+    ``trace/cuda_sdpa.py``), cuDNN batch norm, or a recurrent module's cuDNN RNN. On the
+    H200 every bf16 transformer step with cuDNN attention and the LSTM step held the
+    harvest's ``gemm_conv`` floor (758 MiB), 16 MiB above its ``gemm`` floor.
+
+    >>> uses_cudnn(Trace((), (), 0, module_kinds={"rnn": "LSTM"}))
+    True
+    >>> uses_cudnn(Trace((), (), 0, op_counts={("forward", "_thnn_fused_lstm_cell"): 1}))
+    False
+    """
+    return (
+        bool(trace.markers)
+        or any(op.startswith(CUDNN_OPS) for (_, op) in trace.op_counts)
+        or any(kind in CUDNN_RNN_MODULES for kind in trace.module_kinds.values())
+    )
 
 
 def cublas_workspace_bytes(gpu: GpuSpec) -> int:
@@ -100,7 +129,7 @@ def outside_allocator(
     table = runtime_table()
     nccl = table["nccl"]["per_communicator_bytes"] if data_parallel > 1 else 0
     matmuls = uses_matmul(trace, Phase.FORWARD) or uses_matmul(trace, Phase.BACKWARD)
-    convs = uses_convolution(trace)
+    cudnn_used = uses_cudnn(trace)
     images = table["kernel_images"]
     eager = stack is not None and not stack.lazy_loading
     # Eager loading loads a library's every kernel: its central reading takes the high
@@ -112,9 +141,9 @@ def outside_allocator(
     if eager and variant == "high" and matmuls:
         cublas = max(cublas, images["eager_cublas_high_bytes"])
     cudnn = measured_images.get("cudnn_bytes", _pick(images["cudnn_range_bytes"], reading))
-    cudnn = cudnn if convs else 0
+    cudnn = cudnn if cudnn_used else 0
     if profile is not None:
-        cudnn = cudnn if convs and not profile.cudnn_loaded else 0
+        cudnn = cudnn if cudnn_used and not profile.cudnn_loaded else 0
         cublas = cublas if matmuls and not profile.cublas_loaded else 0
         return OutsideAllocator(profile.cuda_context_bytes, cublas, cudnn, nccl)
     context_table = table["cuda_context"]
@@ -136,6 +165,6 @@ def outside_allocator(
     return OutsideAllocator(
         cuda_context=floor.get("cuda_context", context),
         cublas_kernels=floor.get("cublas_kernels", cublas) if matmuls else 0,
-        cudnn_kernels=floor.get("cudnn_kernels", cudnn) if convs else 0,
+        cudnn_kernels=floor.get("cudnn_kernels", cudnn) if cudnn_used else 0,
         nccl=nccl,
     )
