@@ -160,11 +160,20 @@ def outside_allocator(
     if measured is not None and not measured.exact and variant != "central":
         # another PyTorch's table: its floor is the central reading, the model's the ends
         pick = min if variant == "low" else max
-        modelled = {"cuda_context": context, "cublas_kernels": cublas, "cudnn_kernels": cudnn}
+        modelled = {
+            "cuda_context": context,
+            "cublas_kernels": cublas,
+            "cudnn_kernels": cudnn,
+            "cudnn_beside_cublas": cudnn,
+        }
         floor = {term: pick(value, modelled[term]) for term, value in floor.items()}
+    # beside cuBLAS cuDNN adds less than alone (shared modules); the high end keeps what it
+    # loads alone, as a step's other engines load more of it (H200 CNN steps: 758-762 MiB)
+    beside = matmuls and variant != "high" and "cudnn_beside_cublas" in floor
+    cudnn_term = "cudnn_beside_cublas" if beside else "cudnn_kernels"
     return OutsideAllocator(
         cuda_context=floor.get("cuda_context", context),
         cublas_kernels=floor.get("cublas_kernels", cublas) if matmuls else 0,
-        cudnn_kernels=floor.get("cudnn_kernels", cudnn) if cudnn_used else 0,
+        cudnn_kernels=floor.get(cudnn_term, cudnn) if cudnn_used else 0,
         nccl=nccl,
     )
