@@ -298,7 +298,8 @@ def test_the_h100_and_h200_harvests_measured_the_same_cudnn_workspaces():
 def test_a_cards_table_takes_the_configurations_it_lacks_from_a_sibling_of_its_stack():
     """The H100 harvest ran vgg16 at batch 32 and 128 only, the later H200 harvest also at
     64: the H100's table answers batch 64 with the H200's measurement (the two cards agreed
-    on 1559 of 1560 shared configurations), keeping its own records where it has them."""
+    on 1559 of 1560 shared configurations), keeping its own records where it has them; the
+    same for a floor stage only the later harvest ran."""
     import os
 
     from vramplan.device.measured import _read, measured_for
@@ -312,6 +313,9 @@ def test_a_cards_table_takes_the_configurations_it_lacks_from_a_sibling_of_its_s
     assert h100.workspaces[key] == h200.workspaces[key]
     assert all(h100.workspaces[k] == v for k, v in own.workspaces.items())
     assert h100.exact and not h100.sibling and h100.nvml == own.nvml
+    forward = "gemm_forward"  # the inference floor stage, first run on the H200
+    assert forward not in own.floor["lazy"] and h100.floor["lazy"][forward] > 0
+    assert h100.floor["lazy"] == {**h200.floor["lazy"], **own.floor["lazy"]}
 
 
 def test_an_inference_step_reads_the_forward_gemm_stage_of_a_table(tmp_path, monkeypatch):

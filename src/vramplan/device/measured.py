@@ -237,11 +237,12 @@ def _batches_of(workspaces: dict[tuple, tuple[int, int]]) -> dict[tuple, list]:
     return {key: sorted(points) for key, points in batches.items()}
 
 
-def with_sibling_workspaces(own: MeasuredTable, siblings: list[MeasuredTable]) -> MeasuredTable:
-    """``own`` with the convolution configurations it lacks taken from sibling tables of the
-    same stack (its own records win): the H100 SXM and H200 harvests measured the same
-    workspace in 1559 of 1560 shared configurations, so a batch one card's harvest ran and
-    the other's did not is a measurement, not an interpolation, on both.
+def with_sibling_records(own: MeasuredTable, siblings: list[MeasuredTable]) -> MeasuredTable:
+    """``own`` with the convolution configurations and floor stages it lacks taken from
+    sibling tables of the same stack (its own records win): the H100 SXM and H200 harvests
+    measured the same workspace in 1559 of 1560 shared configurations and the same floor in
+    every stage both ran, so a batch or stage one card's harvest ran and the other's did
+    not is a measurement, not an interpolation, on both.
 
     >>> row = {"pass": "forward", "dtype": "float32", "weight": [8, 8, 3, 3],
     ...        "stride": [1, 1], "padding": [1, 1], "dilation": [1, 1], "groups": 1}
@@ -250,15 +251,19 @@ def with_sibling_workspaces(own: MeasuredTable, siblings: list[MeasuredTable]) -
     >>> sibling = parse_table({"schema": SCHEMA, "gpu": "H200", "conv_workspaces": [
     ...     {**row, "input": [n, 8, 32, 32], "workspace_bytes": w}
     ...     for n, w in ((32, 7), (64, 250))]})
-    >>> sorted(with_sibling_workspaces(own, [sibling]).workspaces.values())
+    >>> sorted(with_sibling_records(own, [sibling]).workspaces.values())
     [(100, 100), (250, 250)]
     """
     same_stack = [table for table in siblings if table.stack_slug == own.stack_slug]
     workspaces = {k: v for table in same_stack for k, v in table.workspaces.items()}
     workspaces.update(own.workspaces)
-    if len(workspaces) == len(own.workspaces):
+    floor = {loading: dict(stages) for loading, stages in own.floor.items()}
+    for table in same_stack:
+        for loading, stages in table.floor.items():
+            floor[loading] = {**stages, **floor.get(loading, {})}
+    if len(workspaces) == len(own.workspaces) and floor == own.floor:
         return own
-    return replace(own, workspaces=workspaces, batches=_batches_of(workspaces))
+    return replace(own, workspaces=workspaces, batches=_batches_of(workspaces), floor=floor)
 
 
 def _folders() -> list[Path]:
@@ -354,17 +359,17 @@ def measured_for(gpu: str, stack: str) -> MeasuredTable | None:
     same workspace in 1559 of the 1560 benchmark-off convolution configurations both ran
     (the other 272 bytes apart) and the same floor: cuDNN's heuristics choose engines by
     compute capability and problem, not by memory size. For the same reason a card's own
-    table takes the configurations it lacks from its siblings' tables of the same stack
-    (``with_sibling_workspaces``). ``None`` when no card of the architecture has a table on
-    that CUDA."""
+    table takes the configurations and floor stages it lacks from its siblings' tables of
+    the same stack (``with_sibling_records``). ``None`` when no card of the architecture has
+    a table on that CUDA."""
     own = _nearest(_tables_of(gpu), stack)
     if own is not None:
         if own.stack_slug != slug(stack):
             return replace(own, exact=False)
-        return with_sibling_workspaces(own, _sibling_tables(gpu))
+        return with_sibling_records(own, _sibling_tables(gpu))
     siblings = _sibling_tables(gpu)
     sibling = _nearest(siblings, stack)
     if sibling is None:
         return None
-    sibling = with_sibling_workspaces(sibling, [t for t in siblings if t is not sibling])
+    sibling = with_sibling_records(sibling, [t for t in siblings if t is not sibling])
     return replace(sibling, exact=False, sibling=True, nvml={})
