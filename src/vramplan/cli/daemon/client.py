@@ -29,8 +29,17 @@ LOST = 1
 """The exit code when the daemon's child ended without an answer (killed)."""
 
 
+def _routed(argv: list[str], environ: Mapping[str, str], switch: str) -> bool:
+    """Whether ``argv`` is a traced command (``ROUTED``) and ``VRAMPLAN_DAEMON`` allows the
+    daemon: anything but ``off`` to use one, ``auto`` to start one."""
+    if not argv or argv[0] not in ROUTED:
+        return False
+    value = environ.get(SWITCH_ENV, "").lower()
+    return value == "auto" if switch == "auto" else value != "off"
+
+
 def _wanted(argv: list[str], environ: Mapping[str, str]) -> bool:
-    if not argv or argv[0] not in ROUTED or environ.get(SWITCH_ENV, "").lower() == "off":
+    if not _routed(argv, environ, "use"):
         return False
     folder = daemon_dir(environ)
     return folder.is_dir() and any(folder.glob("*.sock"))
@@ -90,7 +99,7 @@ def _relayed() -> Iterator[_Relay]:
 def start_after(argv: list[str], environ: Mapping[str, str]) -> None:
     """Under ``VRAMPLAN_DAEMON=auto``, after a traced command that found no daemon: start
     one in the background for the next command (not waited for)."""
-    if not argv or argv[0] not in ROUTED or environ.get(SWITCH_ENV, "").lower() != "auto":
+    if not _routed(argv, environ, "auto"):
         return
     path = socket_path(environ)
     if path.exists() or any(_alive(p) for p in path.parent.glob(f"{path.stem}.*.tmp")):
@@ -104,7 +113,7 @@ def _alive(staging: Path) -> bool:
         os.kill(int(staging.suffixes[-2][1:]), 0)
     except (ProcessLookupError, ValueError, IndexError):
         return False
-    except PermissionError:
+    except PermissionError:  # alive, and another user's
         return True
     return True
 
