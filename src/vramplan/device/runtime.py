@@ -28,24 +28,21 @@ def uses_matmul(trace: Trace, phase: Phase) -> bool:
     return any(p == phase and library_of(op) is Library.MATMUL for (p, op) in trace.op_counts)
 
 
-CUDNN_OPS = (
-    "_scaled_dot_product_cudnn_attention",
-    "_cudnn_rnn",
-    "cudnn_batch_norm",
-    "cudnn_convolution",
-)
-"""Op name prefixes (backwards included) that run in cuDNN beside convolutions."""
-CUDNN_RNN_MODULES = ("LSTM", "GRU", "RNN")
-"""Whole-sequence recurrent modules: on CUDA ``aten::lstm``/``gru``/``rnn_*`` run cuDNN's
-RNN (``aten/src/ATen/native/RNN.cpp``: ``use_cudnn`` -> ``at::cudnn_is_acceptable``), while
-the CPU trace records their cell decomposition (``_thnn_fused_lstm_cell``, which the
-``*Cell`` modules also run on CUDA, without cuDNN)."""
+CUDNN_OPS = ("_scaled_dot_product_cudnn_attention",)
+"""Ops of the CUDA trace (backwards included, by prefix) that run in cuDNN beside
+convolutions: SDPA's cuDNN kernel (``trace/cuda_sdpa.py``)."""
+CUDNN_MODULES = ("LSTM", "GRU", "RNN", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d")
+"""Modules that run cuDNN on CUDA while the CPU trace records other ops: whole-sequence
+recurrent modules (``aten/src/ATen/native/RNN.cpp``: ``use_cudnn`` ->
+``at::cudnn_is_acceptable``; the trace records their cell decomposition,
+``_thnn_fused_lstm_cell``, which the ``*Cell`` modules also run on CUDA without cuDNN) and
+batch norm (``Normalization.cpp``'s backend selection picks ``cudnn_batch_norm``)."""
 
 
 def uses_cudnn(trace: Trace) -> bool:
     """Whether the step calls cuDNN, which loads its kernels into the process: convolutions
-    (each leaves a workspace marker), cuDNN attention (SDPA's first choice on sm90/sm100,
-    ``trace/cuda_sdpa.py``), cuDNN batch norm, or a recurrent module's cuDNN RNN. On the
+    (each leaves a workspace marker), cuDNN attention (SDPA's first choice on sm90/sm100),
+    or a module that runs cuDNN on CUDA (``CUDNN_MODULES``). On the
     H200 every bf16 transformer step with cuDNN attention and the LSTM step held the
     harvest's ``gemm_conv`` floor (758 MiB), 16 MiB above its ``gemm`` floor.
 
@@ -57,7 +54,7 @@ def uses_cudnn(trace: Trace) -> bool:
     return (
         bool(trace.markers)
         or any(op.startswith(CUDNN_OPS) for (_, op) in trace.op_counts)
-        or any(kind in CUDNN_RNN_MODULES for kind in trace.module_kinds.values())
+        or any(kind in CUDNN_MODULES for kind in trace.module_kinds.values())
     )
 
 
