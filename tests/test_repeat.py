@@ -109,6 +109,7 @@ def _assert_equal(full, repeated) -> None:
         ("llama-tied", {"checkpointing": "full"}),
         ("llama-tied", {"optimizer": "sgd"}),
         ("llama-tied", {"mode": "infer"}),
+        ("llama", {"activation_offload": True}),
     ],
 )
 def test_repeated_blocks_equal_the_full_trace(tmp_path, kind, knobs):
@@ -126,6 +127,25 @@ def test_repeated_blocks_equal_the_full_trace(tmp_path, kind, knobs):
 def test_falls_back_to_the_full_trace_and_says_so(tmp_path, knobs):
     full, repeated = _both(tmp_path, "llama", **knobs)
     assert any(n.startswith("full trace: 6 model.layers blocks") for n in repeated[0].notes)
+    _assert_equal(full, repeated)
+
+
+def test_offloading_checkpointed_blocks_falls_back_and_says_why(tmp_path):
+    # The offloader's forward stash keeps a checkpointed block's input on the card for
+    # FORWARD_STASH blocks: deeper than the short traces, so the fallback is the exact answer.
+    full, repeated = _both(tmp_path, "llama", checkpointing="full", activation_offload=True)
+    note = "full trace: 6 model.layers blocks do not repeat exactly (with --activation-offload"
+    assert any(n.startswith(note) for n in repeated[0].notes), repeated[0].notes
+    _assert_equal(full, repeated)
+
+
+def test_offloaded_checkpointed_blocks_repeat_with_a_stash_of_one(tmp_path, monkeypatch):
+    # With a one-tensor stash each block's input dies in the next block, and the repeat is
+    # exact; nothing a block keeps on the card ties its backward to its forward, so the
+    # backward stretch is oriented by its module names (last block first).
+    monkeypatch.setattr("vramplan.trace.tricks.FORWARD_STASH", 1)
+    full, repeated = _both(tmp_path, "llama", checkpointing="full", activation_offload=True)
+    assert any(n.startswith("repeated blocks: traced 2 and 3 of the 6") for n in repeated[0].notes)
     _assert_equal(full, repeated)
 
 

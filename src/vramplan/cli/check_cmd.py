@@ -81,7 +81,8 @@ def check_command(
         typer.Option(
             "--full-trace",
             help="Trace every block instead of tracing a run of identical blocks once and "
-            "repeating it (the default for hf: models, where that rebuild is exact).",
+            "repeating it (the default for hf: and diffusers: models, where that rebuild is "
+            "exact).",
         ),
     ] = False,
     quiet: QuietOpt = False,

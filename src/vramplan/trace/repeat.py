@@ -37,6 +37,7 @@ from torch import nn
 from vramplan.recipe import Recipe
 from vramplan.sources.base import BuiltModel
 from vramplan.sources.blocks import block_containers
+from vramplan.trace import tricks
 from vramplan.trace.events import Allocation, PhaseMark, Trace
 from vramplan.trace.modules import ModuleStack
 from vramplan.trace.repeat_plan import CHECK, Segment, recomputed, segments, short_recipe
@@ -52,9 +53,10 @@ SHORTER = 0.6
 traces hold at most this share of the blocks (32 blocks checkpointed 12 and 20 plain take
 five short traces of 4-8 blocks: tracing all 32 costs less); ``plan``, which shares the
 short traces between its estimates, always repeats them."""
-DEFAULT_SOURCES = ("hf:",)
+DEFAULT_SOURCES = ("hf:", "diffusers:")
 """Models repeated by default: those whose exactness the tests prove (GPT-2, BERT, ViT,
-Llama); any other model is traced whole."""
+Llama; diffusers' DiT, whose UNets have no run long enough); any other model is traced
+whole."""
 _INDEX_WORDS = ("idx", "index", "layer_id", "layer_number", "layer_num")
 _PLAIN = (int, float, str, bool, type(None))
 
@@ -253,7 +255,9 @@ class _Region:
         return found
 
 
-def _regions(tok2: list[tuple], tok3: list[tuple], slots3, side: int = 0) -> list[_Region]:
+def _regions(
+    tok2: list[tuple], tok3: list[tuple], slots3, units: list[int | None], side: int = 0
+) -> list[_Region]:
     """The inserted runs, each moved (where the tokens allow) so that the period before and
     after it repeat it. With ``side`` (+1: blocks that look alike sit only before the run,
     -1: only after it; gradients freed by ``zero_grad`` carry no module name), runs are put
@@ -290,29 +294,57 @@ def _regions(tok2: list[tuple], tok3: list[tuple], slots3, side: int = 0) -> lis
     if spans:
         _follow_births(spans, regions, tok3, slots3)
     for region in regions:
-        _settle(region, tok3)
-    _place(regions, tok3, slots3)
+        _settle(region, tok3, units)
+    _place(regions, tok3, slots3, units)
     return regions
 
 
-def _settle(region: _Region, tok3: list[tuple]) -> None:
+def _settle(region: _Region, tok3: list[tuple], units: list[int | None]) -> None:
     """The first and last blocks of ``region`` where it sits: each the stretch next to the
     run (a quarter of a period longer, within the run's iteration) matched to the run
     event for event. They may lack some of a middle block's events (in FSDP2's backward
     the first block frees no earlier block's reduce-scatter input, the last one prefetches
-    no next block's all-gather), so the match is a diff, not an offset."""
+    no next block's all-gather), so the match is a diff, not an offset. An event matched to
+    the run's is the next block's only if their modules (``units``: the unit of the run
+    each event's module is in) are one unit apart: diffusers' DiT runs its first block's
+    ``norm1.emb`` again after the last block (``DiTTransformer2DModel.forward``), events
+    alike a block's first ones that belong to no block."""
     q, d = region.q, region.d
     region.start, region.end = _same_iteration(tok3, region)
     run = tok3[q : q + d]
     region.edges, region.places = {}, {}
     for window, lo, hi in (("-", region.start, q), ("+", q + d, region.end)):
         matcher = difflib.SequenceMatcher(None, tok3[lo:hi], run, autojunk=False)
-        edges = {lo + i + k: j + k for i, j, n in matcher.get_matching_blocks() for k in range(n)}
+        edges = {
+            lo + i + k: j + k
+            for i, j, n in matcher.get_matching_blocks()
+            for k in range(n)
+            if _neighbours(units[lo + i + k], units[q + j + k])
+        }
         region.edges[window] = edges
         region.places[window] = {off: pos for pos, off in edges.items()}
 
 
-def _place(regions: list[_Region], tok3: list[tuple], slots3) -> None:
+def _neighbours(a: int | None, b: int | None) -> bool:
+    """Events of units ``a`` and ``b`` of the run (None: no module of the run) can be the
+    same event of two consecutive units."""
+    return a is None or b is None or abs(a - b) == 1
+
+
+def _units(slots, names: _Names) -> list[int | None]:
+    """Each event's unit of the run: where its storage's module sits (None: outside)."""
+    units: list[int | None] = []
+    for s in slots:
+        i = None if s is None else names.index(s[0].module)
+        if i is None or i < names.run.start:
+            units.append(None)
+            continue
+        unit = (i - names.run.start) // names.run.width
+        units.append(unit if unit < names.blocks else None)
+    return units
+
+
+def _place(regions: list[_Region], tok3: list[tuple], slots3, units: list[int | None]) -> None:
     """Move each run that storages cross from outside its blocks (born before the first
     block and freed in the run, or born in the run and freed after the last one) so that
     their births fall in the block before or after it, where that leaves fewer crossing:
@@ -327,10 +359,10 @@ def _place(regions: list[_Region], tok3: list[tuple], slots3) -> None:
         for q in sorted(wanted):
             if region.low <= q <= region.high:
                 region.q = q
-                _settle(region, tok3)
+                _settle(region, tok3, units)
                 best = min(best, (len(_crossing(regions, slots3, len(tok3))), abs(q - middle), q))
         region.q = best[2]
-        _settle(region, tok3)
+        _settle(region, tok3, units)
         crossing = _crossing(regions, slots3, len(tok3))
 
 
@@ -489,10 +521,13 @@ def _label(regions: list[_Region], size: int) -> list[tuple[int, str, int] | Non
     return labels
 
 
-def _orient(regions: list[_Region], slots3, labels) -> None:
+def _orient(regions: list[_Region], slots3, labels, units: list[int | None]) -> None:
     """Blocks run forward in some stretches and backward in others: find each stretch's
     direction from the storages that cross between stretches (the same allocation slot in
-    the three windows must die the same number of blocks later)."""
+    the three windows must die the same number of blocks later). Each connected set of
+    stretches then takes the direction its events' module names give (``_named_votes``):
+    with checkpointing and activation offloading nothing a block saves in forward lives on
+    the card into backward, so no storage ties the backward stretch to the forward one."""
     groups: dict[tuple[int, int, int], list[tuple[str, str]]] = defaultdict(list)
     for s in slots3:
         if s is None or not s[1] or s[0].free_index is None:
@@ -512,11 +547,12 @@ def _orient(regions: list[_Region], slots3, labels) -> None:
             if len(deltas) == 1:
                 votes[(ja, jf)][k] += 1
     known: dict[int, int] = {}
+    named = _named_votes(regions, labels, units)
     for seed in range(len(regions)):  # each connected set of stretches, from its first
         if seed in known:
             continue
         known[seed] = 1
-        frontier = [seed]
+        frontier, members = [seed], [seed]
         while frontier:
             j = frontier.pop()
             for (ja, jf), (same, opposite) in votes.items():
@@ -526,8 +562,26 @@ def _orient(regions: list[_Region], slots3, labels) -> None:
                 if other not in known:
                     known[other] = known[j] * (1 if same > opposite else -1)
                     frontier.append(other)
+                    members.append(other)
+        if sum(known[j] * named[j] for j in members) < 0:
+            for j in members:
+                known[j] = -known[j]
     for j, region in enumerate(regions):
         region.sign = known.get(j, 1)
+
+
+def _named_votes(regions: list[_Region], labels, units: list[int | None]) -> list[int]:
+    """For each stretch, how many events of its first and last blocks name the module of
+    the block they would be in forward order (+1 each) or in reverse order (-1 each): a
+    checkpointed block's recomputed forward in backward runs in the last block first.
+    Events with no module of the run (backward's own ops, the optimizer's) do not vote."""
+    votes = [0] * len(regions)
+    for label, unit in zip(labels, units, strict=True):
+        if label is None or label[1] == "x" or unit is None:
+            continue
+        first = 0 if label[1] == "-" else SHORT[1] - 1
+        votes[label[0]] += (unit == first) - (unit == SHORT[1] - 1 - first)
+    return votes
 
 
 def expand(t2: Trace, t3: Trace, run: BlockRun, full: int, side: int = 0) -> Trace:
@@ -537,12 +591,13 @@ def expand(t2: Trace, t3: Trace, run: BlockRun, full: int, side: int = 0) -> Tra
     names = _Names(run, 3, full)
     slots2, slots3 = _slots(t2), _slots(t3)
     tok2, tok3 = _tokens(slots2, _Names(run, 2, full)), _tokens(slots3, names)
-    regions = _regions(tok2, tok3, slots3, side)
+    units = _units(slots3, names)
+    regions = _regions(tok2, tok3, slots3, units, side)
     if sum(r.d for r in regions) != len(tok3) - len(tok2):
         raise NotRepeatable("the extra block is not one insertion per stretch")
     regions.sort(key=lambda r: r.q)
     labels = _label(regions, len(tok3))
-    _orient(regions, slots3, labels)
+    _orient(regions, slots3, labels, units)
     check = _rebuild(t3, slots3, tok3, labels, regions, names, 2, _Names(run, 3, 2))
     if _tokens(_slots(check), _Names(run, 2, 2)) != tok2 or _links(check) != _links(t2):
         raise NotRepeatable("the pattern does not rebuild the 2-block trace")
@@ -847,6 +902,9 @@ def repeat_built(
     if run is None:
         return None, ""
     label = f"{run.length} {run.path} blocks"
+    stash = _stash_reason(recipe)
+    if stash:
+        return None, f"full trace: {label} do not repeat exactly ({stash})"
     parts = segments(recipe, run.length)
     stack = ModuleStack()
     stack.name_modules(model)
@@ -875,6 +933,28 @@ def repeat_built(
     cast_parameters(model, recipe)  # as the traced copies were
     trace = replace(trace, module_kinds=dict(stack.kinds))
     return trace, _note(label, parts, len(rebuilder.traces))
+
+
+def _stash_reason(recipe: Recipe) -> str:
+    """Why offloading with checkpointing cannot repeat (empty when it can).
+
+    The offloader keeps the card copy of the last ``FORWARD_STASH`` offloaded saved tensors
+    while the side stream copies them (``tricks.Offloader.pack``). A checkpointed block
+    saves one tensor through it, its input (``torch.utils.checkpoint``'s ``save_inputs``:
+    the block's own saved tensors go to checkpoint's hooks), so a block's input dies
+    ``FORWARD_STASH`` blocks later. Traces of fewer blocks than that (the 2-, 3- and 4-block
+    ones) see every input die after the last block, a deeper model sees them die in the
+    blocks: the pattern holds for the short traces and not for the model.
+    """
+    if not (recipe.activation_offload and recipe.checkpointing != "none"):
+        return ""
+    if tricks.FORWARD_STASH <= 1:
+        return ""
+    return (
+        f"with --activation-offload the last {tricks.FORWARD_STASH} offloaded saved tensors "
+        f"stay on the card; a checkpointed block saves one, so each block's input dies "
+        f"{tricks.FORWARD_STASH} blocks later, deeper than the short traces reach"
+    )
 
 
 def _note(label: str, parts: tuple[Segment, ...], traces: int) -> str:
