@@ -1,0 +1,81 @@
+"""A paged 8-bit AdamW step's trace, read off the plain 8-bit Adam step's.
+
+``Adam8bitModel`` (``optimizers.py``) runs the same ops in the same order paged or not:
+paging only marks the two states of each parameter of ``min_paged_size`` or more elements
+``is_paged``, and the tracer then takes those storages off the card into host memory
+(``trace/step.py``, ``trace/offdevice.py``). So the paged trace is the 8-bit one without
+those states, their bytes reported as host memory; which storages they are follows from
+the order ``_init_state`` allocates in (the two quantization maps before the first 8-bit
+parameter; per parameter ``state1``, ``state2`` and, for an 8-bit one, ``absmax1`` and
+``absmax2``), checked size by size against the parameters' element counts::
+
+    >>> from vramplan.trace.events import Allocation, PhaseMark, Trace
+    >>> def state(i, nbytes):
+    ...     return Allocation(i, nbytes, "optimizer_state", "optimizer", 1, "", "zeros", i, None)
+    >>> eight = Trace((state(0, 1024), state(1, 1024), state(2, 200_000), state(3, 200_000),
+    ...                state(4, 3128), state(5, 3128), state(6, 400), state(7, 400)),
+    ...               (PhaseMark(0, "optimizer", 1),), 8)
+    >>> paged = paged_from_8bit(eight, [200_000, 100])
+    >>> [a.id for a in paged.allocations], paged.host_bytes
+    ([0, 1, 4, 5, 6, 7], {'paged_optimizer_state': 400000})
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from vramplan.optimizers import Adam8bitModel
+from vramplan.result import Component, Phase
+from vramplan.trace.events import Allocation, Trace
+from vramplan.trace.offdevice import OFF_DEVICE
+
+PAGED_TERM = OFF_DEVICE["paged"]
+
+
+def _states(trace: Trace) -> list[Allocation] | None:
+    """The first step's allocations in allocation order, or None if any of them is not
+    optimizer state (``Adam8bitModel`` allocates nothing else: it updates in place)."""
+    first = [a for a in trace.allocations if a.phase == Phase.OPTIMIZER and a.iteration == 1]
+    if any(a.category != Component.OPTIMIZER_STATE or a.free_index is not None for a in first):
+        return None
+    return sorted(first, key=lambda a: a.alloc_index)
+
+
+def _expected(numels: list[int]) -> list[tuple[int, bool]]:
+    """(bytes, paged) of each storage ``Adam8bitModel(bits=8, paged=True)`` allocates in
+    its first step over parameters of ``numels`` elements, in order.
+
+    >>> _expected([5000, 10])
+    [(1024, False), (1024, False), (5000, False), (5000, False), (80, False), (80, False), \
+(40, False), (40, False)]
+    """
+    model = Adam8bitModel
+    expected: list[tuple[int, bool]] = []
+    maps = False
+    for n in numels:
+        if n >= model.min_8bit_size:
+            if not maps:
+                expected += [(model.qmap_entries * 4, False)] * 2
+                maps = True
+            absmax = -(-n // model.block) * 4
+            paged = n >= model.min_paged_size
+            expected += [(n, paged), (n, paged), (absmax, False), (absmax, False)]
+        else:
+            expected += [(n * 4, False), (n * 4, False)]
+    return expected
+
+
+def paged_from_8bit(trace: Trace, numels: list[int]) -> Trace | None:
+    """The trace of the same step under ``paged_adamw_8bit``, from ``trace`` (traced under
+    ``adam8bit`` with parameters of ``numels`` elements, those the optimizer holds, in
+    its order); None where the first step's storages are not the expected ones."""
+    states = _states(trace)
+    expected = _expected(numels)
+    if states is None or [a.nbytes for a in states] != [nbytes for nbytes, _ in expected]:
+        return None
+    away = {a.id for a, (_, paged) in zip(states, expected, strict=True) if paged}
+    if not away:
+        return trace
+    kept = tuple(a for a in trace.allocations if a.id not in away)
+    total = sum(a.nbytes for a in states if a.id in away)  # never freed: all live at once
+    return replace(trace, allocations=kept, host_bytes={**trace.host_bytes, PAGED_TERM: total})
