@@ -163,7 +163,7 @@ def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any 
             built, recipe, lambda b, r: _trace_counted(b, r, policy, engine), kind
         )
         if trace is not None:
-            return replace(trace, notes=(*trace.notes, note))
+            return replace(trace, notes=(*trace.notes, note), renumbered=True)
     else:
         note = ""
     trace = _trace_counted(built, recipe, policy, engine)

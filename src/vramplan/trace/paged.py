@@ -32,6 +32,10 @@ from vramplan.trace.offdevice import OFF_DEVICE
 PAGED_TERM = OFF_DEVICE["paged"]
 
 
+def _born(allocation: Allocation) -> int:
+    return allocation.alloc_index
+
+
 def _states(trace: Trace) -> list[Allocation] | None:
     """The first step's allocations in allocation order, or None if any of them is not
     optimizer state (``Adam8bitModel`` allocates nothing else: it updates in place)."""
@@ -77,5 +81,7 @@ def paged_from_8bit(trace: Trace, numels: list[int]) -> Trace | None:
     if not away:
         return trace
     kept = tuple(a for a in trace.allocations if a.id not in away)
+    if trace.renumbered:  # ids are positions: as the rebuild of the paged traces gives them
+        kept = tuple(replace(a, id=i) for i, a in enumerate(sorted(kept, key=_born)))
     total = sum(a.nbytes for a in states if a.id in away)  # never freed: all live at once
     return replace(trace, allocations=kept, host_bytes={**trace.host_bytes, PAGED_TERM: total})
