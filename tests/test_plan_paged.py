@@ -33,8 +33,9 @@ def llama(request, tmp_path):
         ({}, False),
         ({"precision": "amp-bf16", "activation_offload": True}, True),
         ({"checkpointing": "full"}, False),
+        ({"optimizer_in_backward": True}, False),
     ],
-    ids=["fp32", "amp-offload-flops", "checkpointed"],
+    ids=["fp32", "amp-offload-flops", "checkpointed", "in-backward"],
 )
 def test_paged_step_read_off_equals_the_traced_one(llama, changes, counts_flops):
     device = device_options(gpu="t4")

@@ -296,11 +296,11 @@ class Workbench:
 
     def _read_off(self, recipe: Recipe) -> Recipe | None:
         """The traced recipe ``recipe``'s step is read off exactly, if any: a paged 8-bit
-        AdamW step's is the plain 8-bit Adam step's (``trace/paged.py``), for the model's
-        own ``Adam8bitModel`` of one optimizer (not in backward) on one GPU's trace."""
+        AdamW step's is the plain 8-bit Adam step's (``trace/paged.py``), on one GPU's
+        trace."""
         if not (recipe.is_training and recipe.optimizer == "paged_adamw_8bit"):
             return None
-        if recipe.optimizer_in_backward or engine_for(self.layout) is not None:
+        if engine_for(self.layout) is not None:
             return None
         return recipe.with_changes(optimizer="adam8bit")
 
@@ -315,7 +315,7 @@ class Workbench:
             return None
         traced, trace = self.run(sibling)
         numels = [p.numel() for p in unique_parameters(built.model) if p.requires_grad]
-        paged = paged_from_8bit(trace, numels)
+        paged = paged_from_8bit(trace, numels, recipe.optimizer_in_backward)
         if paged is None:
             return None
         device = self._traced_device()

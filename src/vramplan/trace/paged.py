@@ -22,6 +22,7 @@ parameter; per parameter ``state1``, ``state2`` and, for an 8-bit one, ``absmax1
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import replace
 
 from vramplan.optimizers import Adam8bitModel
@@ -69,15 +70,77 @@ def _expected(numels: list[int]) -> list[tuple[int, bool]]:
     return expected
 
 
-def paged_from_8bit(trace: Trace, numels: list[int]) -> Trace | None:
+def _groups(sizes: list[int], numels: list[int]) -> list[bool] | None:
+    """Which of ``sizes`` (the first step's states with the step in backward: one
+    ``Adam8bitModel`` per parameter, stepped in gradient order, each 8-bit one with its own
+    two quantization maps) are paged: the one reading of them as per-parameter groups
+    whose element counts are ``numels`` (in any order); None where there is none, or
+    readings differ.
+
+    >>> _groups([1024, 1024, 200_000, 200_000, 3128, 3128, 40, 40], [10, 200_000])
+    [False, False, True, True, False, False, False, False]
+    """
+    model = Adam8bitModel
+    maps = model.qmap_entries * 4
+    left = Counter(numels)  # the element counts not read yet: a group must take one
+    found: list[list[bool]] = []
+
+    def read(i: int, paged: list[bool]) -> None:
+        if len(found) > 1:
+            return
+        if i == len(sizes):
+            if not +left and paged not in found:
+                found.append(list(paged))
+            return
+        n = sizes[i + 2] if i + 5 < len(sizes) else 0
+        absmax = -(-n // model.block) * 4
+        if (
+            left[n]
+            and n >= model.min_8bit_size
+            and sizes[i : i + 6] == [maps, maps, n, n] + [absmax] * 2
+        ):
+            on = n >= model.min_paged_size
+            left[n] -= 1
+            read(i + 6, [*paged, False, False, on, on, False, False])
+            left[n] += 1
+        pair = sizes[i : i + 2]
+        m = pair[0] // 4 if len(pair) == 2 and pair[0] == pair[1] and pair[0] % 4 == 0 else 0
+        if left[m] and m < model.min_8bit_size:
+            left[m] -= 1
+            read(i + 2, [*paged, False, False])
+            left[m] += 1
+
+    try:
+        read(0, [])
+    except RecursionError:
+        return None
+    return found[0] if len(found) == 1 else None
+
+
+def paged_from_8bit(trace: Trace, numels: list[int], in_backward: bool = False) -> Trace | None:
     """The trace of the same step under ``paged_adamw_8bit``, from ``trace`` (traced under
     ``adam8bit`` with parameters of ``numels`` elements, those the optimizer holds, in
-    its order); None where the first step's storages are not the expected ones."""
-    states = _states(trace)
-    expected = _expected(numels)
-    if states is None or [a.nbytes for a in states] != [nbytes for nbytes, _ in expected]:
-        return None
-    away = {a.id for a, (_, paged) in zip(states, expected, strict=True) if paged}
+    its order; ``in_backward``: one optimizer per parameter, stepped in backward); None
+    where the first step's storages are not the expected ones."""
+    if in_backward:
+        states = sorted(
+            (
+                a
+                for a in trace.allocations
+                if a.iteration == 1 and a.category == Component.OPTIMIZER_STATE
+            ),
+            key=_born,
+        )
+        paged = _groups([a.nbytes for a in states], numels)
+        if paged is None or any(a.free_index is not None for a in states):
+            return None
+    else:
+        first = _states(trace)
+        expected = _expected(numels)
+        if first is None or [a.nbytes for a in first] != [nbytes for nbytes, _ in expected]:
+            return None
+        states, paged = first, [on for _, on in expected]
+    away = {a.id for a, on in zip(states, paged, strict=True) if on}
     if not away:
         return trace
     kept = tuple(a for a in trace.allocations if a.id not in away)
