@@ -76,13 +76,28 @@ def trace_and_estimate(
     policy = policy or _policy(target, device)
     check_attention_target(recipe.attention, policy.name, device.card.arch)
     trace = traced(built, recipe, policy, engine)
+    return estimate_traced(built, recipe, trace, device, policy), trace
+
+
+def estimate_traced(
+    built: BuiltModel,
+    recipe: Recipe,
+    trace: Trace,
+    device: DeviceOptions,
+    policy: DevicePolicy,
+    info: ModelInfo | None = None,
+) -> Estimate:
+    """The Estimate of ``trace`` (a step of ``built`` under ``recipe``, traced with
+    ``policy``): summarised, and for the ``cuda`` policy replayed through the device
+    model; what ``trace_and_estimate`` makes of the trace it takes. ``info``: the
+    model's counts where ``built`` is not the model the trace ran (read off it else)."""
     notes = list(trace.notes)
     if recipe.is_training and recipe.optimizer in MODELLED:
         notes.append(f"optimizer {recipe.optimizer}: {MODELLED[recipe.optimizer]}")
     how = implementation_note(recipe.optimizer, recipe.optimizer_impl, policy.optimizer_defaults())
     if recipe.is_training and policy.name == "cuda" and how and built.make_optimizer is None:
         notes.append(how)  # torch.optim's step (a framework's own optimizer says its own)
-    info = model_info(built.model, built.name, built.architecture, built.kind)
+    info = info or model_info(built.model, built.name, built.architecture, built.kind)
     result = estimate_from_trace(trace, info, recipe, policy.name, notes)
     if recipe.mode == "generate":
         details = {
@@ -97,7 +112,7 @@ def trace_and_estimate(
         result = replace(result, details=details)
     if policy.name == "cuda":
         result = apply_device(result, trace, device)
-    return result, trace
+    return result
 
 
 def _policy(target: str, device: DeviceOptions) -> DevicePolicy:
@@ -111,6 +126,11 @@ def _policy(target: str, device: DeviceOptions) -> DevicePolicy:
         software.saves_every_operand,
         software.softmax_keeps_input,
     )
+
+
+def cuda_policy(device: DeviceOptions) -> DevicePolicy:
+    """The CUDA trace policy of ``device`` (what ``trace_and_estimate`` traces with)."""
+    return _policy("cuda", device)
 
 
 def flop_counting_policy(device: DeviceOptions) -> DevicePolicy:
@@ -143,7 +163,7 @@ def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any 
             built, recipe, lambda b, r: _trace_counted(b, r, policy, engine), kind
         )
         if trace is not None:
-            return replace(trace, notes=(*trace.notes, note))
+            return replace(trace, notes=(*trace.notes, note), renumbered=True)
     else:
         note = ""
     trace = _trace_counted(built, recipe, policy, engine)

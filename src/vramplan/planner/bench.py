@@ -28,8 +28,10 @@ from vramplan.distributed.fsdp import engine_for, with_traced_layout
 from vramplan.distributed.layout import ModelFacts, ParallelLayout, check_layout, per_rank
 from vramplan.errors import UserError
 from vramplan.pipeline import (
+    cuda_policy,
     estimate_built,
     estimate_from_trace,
+    estimate_traced,
     flop_counting_policy,
     trace_and_estimate,
 )
@@ -37,6 +39,8 @@ from vramplan.recipe import Recipe
 from vramplan.result import Estimate
 from vramplan.sources import BuiltModel, resolve
 from vramplan.trace.events import FLOPS_KEY, Trace
+from vramplan.trace.materialize import unique_parameters
+from vramplan.trace.paged import paged_from_8bit
 
 
 def recipe_key(recipe: Recipe) -> str:
@@ -219,7 +223,8 @@ class Workbench:
         trace; how many were traced so."""
         if self._workers is None:
             return 0
-        pending = {self.key(r): r for r in recipes if self.key(r) not in self._done}
+        wanted = [self._read_off(r) or r for r in recipes]
+        pending = {self.key(r): r for r in wanted if self.key(r) not in self._done}
         return self._workers.trace(list(pending.values()))
 
     def keep(
@@ -268,6 +273,10 @@ class Workbench:
         """The estimate and trace of ``recipe`` as traced (traced once, then cached): one
         GPU's, or under an FSDP layout one rank's (``estimate`` gives the rank's figures)."""
         key = self.key(recipe)
+        if key not in self._done and self._read_off(recipe) is not None:
+            derived = self._paged(recipe)
+            if derived is not None:
+                self._done[key] = derived
         if key not in self._done:
             policy = flop_counting_policy(self.device) if self._counted(recipe) else None
             engine = engine_for(self.layout)
@@ -284,6 +293,37 @@ class Workbench:
                 estimate = self.finish(estimate, trace, device)
             self._done[key] = estimate, trace
         return self._done[key]
+
+    def _read_off(self, recipe: Recipe) -> Recipe | None:
+        """The traced recipe ``recipe``'s step is read off exactly, if any: a paged 8-bit
+        AdamW step's is the plain 8-bit Adam step's (``trace/paged.py``), on one GPU's
+        trace."""
+        if not (recipe.is_training and recipe.optimizer == "paged_adamw_8bit"):
+            return None
+        if engine_for(self.layout) is not None:
+            return None
+        return recipe.with_changes(optimizer="adam8bit")
+
+    def _paged(self, recipe: Recipe) -> tuple[Estimate, Trace] | None:
+        """``recipe``'s estimate and trace from its plain 8-bit sibling's (traced, or
+        cached), summarised and replayed on the card as a trace of it would be; None where
+        the sibling's first step is not the storages ``paged_from_8bit`` expects, or the
+        model brings its own optimizer."""
+        sibling = self._read_off(recipe)
+        built = self.built(recipe)
+        if sibling is None or built.make_optimizer is not None:
+            return None
+        traced, trace = self.run(sibling)
+        numels = [p.numel() for p in unique_parameters(built.model) if p.requires_grad]
+        paged = paged_from_8bit(trace, numels, recipe.optimizer_in_backward)
+        if paged is None:
+            return None
+        device = self._traced_device()
+        policy = flop_counting_policy(device) if self._counted(recipe) else cuda_policy(device)
+        estimate = estimate_traced(built, recipe, paged, device, policy, traced.model)
+        if self.finish is not None:
+            estimate = self.finish(estimate, paged, device)
+        return estimate, paged
 
     def estimate(self, recipe: Recipe) -> Estimate:
         return self.ranked(recipe, self.run(recipe)[0])

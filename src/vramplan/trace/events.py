@@ -82,6 +82,10 @@ class Trace:
     host_bytes: dict[str, int] = field(default_factory=dict)
     """Peak bytes kept in host RAM instead of on the card, by kind (``trace/offdevice.py``):
     paged optimizer state, offloaded activations."""
+    renumbered: bool = False
+    """Whether the allocations' ids are their positions in allocation order (a trace
+    rebuilt from short ones, ``trace/repeat.py``), not the recorder's (which keeps the ids
+    of storages taken off the card: gaps)."""
 
     def events(self) -> Iterator[Event]:
         """Allocations and frees interleaved in the order they happened (a dictionary
