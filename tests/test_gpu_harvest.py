@@ -504,3 +504,31 @@ def test_a_device_row_is_a_real_measure_run_that_gpu_table_reads(tmp_path):
     assert [r["error"] for r in skipped] == ["skipped: the budget was spent"] * 3
     assert not (tmp_path / "late").exists()
     assert len({r.name for r in DEVICE_ROWS}) == len(DEVICE_ROWS)
+
+
+def test_every_device_row_parses_as_measure_and_matches_its_committed_h200_run():
+    """The harvest's rows are real ``vramplan measure`` command lines; the recipes first run
+    by hand on the H200 are the same runs the committed rows hold, so the next card's
+    harvest measures what the H200 measured."""
+    from pathlib import Path
+
+    import typer
+
+    from benchmarks.accuracy.gpu_table import measure_rows as read_rows
+    from benchmarks.gpu_harvest.device_rows import DEVICE_ROWS, RECIPES
+    from vramplan.cli import _register_commands, app
+
+    _register_commands()
+    measure = typer.main.get_command(app).commands["measure"]
+    folder = Path(__file__).resolve().parents[1] / "benchmarks/results"
+    committed = {r.name: r for r in read_rows(folder / "gpu-nvidia-h200-2026-11-27-fresh/rows")}
+    for row in DEVICE_ROWS:
+        params = measure.make_context("measure", [row.model, *row.args]).params
+        if row in RECIPES:
+            recipe = committed[row.name].recipe
+            assert (params["batch_size"], params["precision"], params["checkpointing"]) == (
+                recipe.batch_size,
+                recipe.precision,
+                recipe.checkpointing,
+            ), row.name
+            assert params["lora"] == recipe.lora_rank, row.name

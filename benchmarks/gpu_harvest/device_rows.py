@@ -41,11 +41,40 @@ def _gpumemnet() -> list[DeviceRow]:
 
 
 LANGUAGE = ("-b", "8", "--seq-len", "512", "-o", "adamw")
+TINYLLAMA = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
+
+
+def _recipe(name: str, model: str, args: str) -> DeviceRow:
+    return DeviceRow(name, model, tuple(args.split()))
+
+
+AMP, CKPT = "--precision amp-bf16", "--checkpointing full"
+RECIPES = (
+    _recipe("vgg16-b32-ampbf16", "torchvision:vgg16", f"-b 32 -o adam {AMP}"),
+    _recipe("resnet50-b64-ampbf16", "torchvision:resnet50", f"-b 64 -o adam {AMP}"),
+    _recipe("resnet50-b64-ckpt", "torchvision:resnet50", f"-b 64 -o adam {CKPT}"),
+    _recipe("mobilenet_v2-b128-ampbf16", "torchvision:mobilenet_v2", f"-b 128 -o adam {AMP}"),
+    _recipe("resnet18-b256-ampbf16", "torchvision:resnet18", f"-b 256 -o sgd {AMP}"),
+    _recipe("bert-base-b16-ampbf16", "hf:bert-base-uncased", f"-b 16 --seq-len 512 -o adamw {AMP}"),
+    _recipe("gpt2-b8-ckpt-ampbf16", "hf:gpt2", f"-b 8 --seq-len 512 -o adamw {AMP} {CKPT}"),
+    _recipe("gpt2-b4-s1024-sgd", "hf:gpt2", "-b 4 --seq-len 1024 -o sgd"),
+    _recipe(
+        "tinyllama-lora-bf16", TINYLLAMA, "-b 8 --seq-len 512 -o adamw --precision bf16 --lora 16"
+    ),
+    _recipe(
+        "tinyllama-bf16-ckpt-b8-s1024",
+        TINYLLAMA,
+        f"-b 8 --seq-len 1024 -o adamw --precision bf16 {CKPT}",
+    ),
+)
+"""Recipes beyond the published setups (amp-bf16, checkpointing, LoRA, SGD), first run on
+the H200 on 2026-11-27; last, so the budget cuts them first."""
 DEVICE_ROWS = (
     *_gpumemnet(),
     DeviceRow("bert-base-b8-s512", "hf:bert-base-uncased", LANGUAGE),
     DeviceRow("gpt2-b8-s512", "hf:gpt2", LANGUAGE),
-    DeviceRow("tinyllama-fp32-b8-s512", "TinyLlama/TinyLlama-1.1B-Chat-v1.0", LANGUAGE),
+    DeviceRow("tinyllama-fp32-b8-s512", TINYLLAMA, LANGUAGE),
+    *RECIPES,
 )
 
 
