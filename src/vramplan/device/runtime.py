@@ -31,12 +31,14 @@ def uses_matmul(trace: Trace, phase: Phase) -> bool:
 CUDNN_OPS = ("_scaled_dot_product_cudnn_attention",)
 """Ops of the CUDA trace (backwards included, by prefix) that run in cuDNN beside
 convolutions: SDPA's cuDNN kernel (``trace/cuda_sdpa.py``)."""
-CUDNN_MODULES = ("LSTM", "GRU", "RNN", "BatchNorm1d", "BatchNorm2d", "BatchNorm3d")
+CUDNN_MODULES = ("LSTM", "GRU", "RNN")
 """Modules that run cuDNN on CUDA while the CPU trace records other ops: whole-sequence
 recurrent modules (``aten/src/ATen/native/RNN.cpp``: ``use_cudnn`` ->
 ``at::cudnn_is_acceptable``; the trace records their cell decomposition,
-``_thnn_fused_lstm_cell``, which the ``*Cell`` modules also run on CUDA without cuDNN) and
-batch norm (``Normalization.cpp``'s backend selection picks ``cudnn_batch_norm``)."""
+``_thnn_fused_lstm_cell``, which the ``*Cell`` modules also run on CUDA without cuDNN).
+Batch norm is left out: cuDNN's kernel needs a 3-d or larger input that is not bf16
+(``_select_batch_norm_backend``), so a ``BatchNorm1d`` on features or one under amp-bf16
+runs PyTorch's own, and a model with 2-d batch norm has convolutions."""
 
 
 def uses_cudnn(trace: Trace) -> bool:
