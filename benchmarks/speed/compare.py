@@ -96,7 +96,11 @@ def main() -> None:
     for name, spec, recipe in WORKLOADS:
         if options.only and options.only not in name:
             continue
+        # each tool starts from an empty FakeTensor dispatch cache: the second would
+        # otherwise find the first's entries for the same shapes
+        FakeTensorMode.cache_clear()
         ours, allocated, reserved = vramplan_peak(spec, recipe)
+        FakeTensorMode.cache_clear()
         theirs, tracked = memtracker_peak(spec, recipe)
         print(
             f"| {name} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.1f}x | "
