@@ -273,8 +273,9 @@ class Workbench:
         """The estimate and trace of ``recipe`` as traced (traced once, then cached): one
         GPU's, or under an FSDP layout one rank's (``estimate`` gives the rank's figures)."""
         key = self.key(recipe)
-        if key not in self._done and self._read_off(recipe) is not None:
-            derived = self._paged(recipe)
+        sibling = self._read_off(recipe) if key not in self._done else None
+        if sibling is not None:
+            derived = self._paged(recipe, sibling)
             if derived is not None:
                 self._done[key] = derived
         if key not in self._done:
@@ -304,14 +305,13 @@ class Workbench:
             return None
         return recipe.with_changes(optimizer="adam8bit")
 
-    def _paged(self, recipe: Recipe) -> tuple[Estimate, Trace] | None:
-        """``recipe``'s estimate and trace from its plain 8-bit sibling's (traced, or
-        cached), summarised and replayed on the card as a trace of it would be; None where
-        the sibling's first step is not the storages ``paged_from_8bit`` expects, or the
-        model brings its own optimizer."""
-        sibling = self._read_off(recipe)
+    def _paged(self, recipe: Recipe, sibling: Recipe) -> tuple[Estimate, Trace] | None:
+        """``recipe``'s estimate and trace from its plain 8-bit ``sibling``'s (``_read_off``;
+        traced, or cached), summarised and replayed on the card as a trace of it would be;
+        None where the sibling's first step is not the storages ``paged_from_8bit``
+        expects, or the model brings its own optimizer."""
         built = self.built(recipe)
-        if sibling is None or built.make_optimizer is not None:
+        if built.make_optimizer is not None:
             return None
         traced, trace = self.run(sibling)
         numels = [p.numel() for p in unique_parameters(built.model) if p.requires_grad]

@@ -43,7 +43,7 @@ def _states(trace: Trace) -> list[Allocation] | None:
     first = [a for a in trace.allocations if a.phase == Phase.OPTIMIZER and a.iteration == 1]
     if any(a.category != Component.OPTIMIZER_STATE or a.free_index is not None for a in first):
         return None
-    return sorted(first, key=lambda a: a.alloc_index)
+    return sorted(first, key=_born)
 
 
 def _expected(numels: list[int]) -> list[tuple[int, bool]]:
