@@ -50,6 +50,13 @@ def explain_failure(
             "runs, as after a global pool at batch 1), which a real step refuses too; raise "
             "--batch-size (or the input size)"
         )
+    if "FSDP expects uniform original parameter dtype" in str(exc):
+        return UserError(
+            f"model {model_name} failed on the example batch: {_first_line(exc)}: FSDP2 "
+            "all-gathers one dtype per sharded unit, and this half-precision model keeps some "
+            "weights in fp32 (transformers' _keep_in_fp32_modules), which a real run refuses "
+            "too; train in fp32 weights with --precision amp-fp16 or amp-bf16"
+        )
     gpu_hint = cuda_hint(exc)
     if gpu_hint:
         return UserError(f"model {model_name} wants a GPU ({_first_line(exc)}){gpu_hint}")

@@ -216,7 +216,9 @@ def prepare_model_for(built: BuiltModel, recipe: Recipe) -> list[str]:
     """Apply the recipe to the meta model (dtype, checkpointing, train/eval); return notes."""
     notes = []
     model = built.model
-    cast_parameters(model, recipe)
+    kept = cast_parameters(model, recipe)
+    if kept:
+        notes.append(kept)
     if recipe.compile and recipe.is_training:
         notes.append(compile_note(compile_blocks(model), recipe))
     if recipe.checkpointing != "none" and recipe.is_training:
