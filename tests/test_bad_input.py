@@ -321,6 +321,7 @@ FLAGS = [
     ("unknown-flag", ["--bogus-flag"], "No such option"),
     ("boxes-negative", ["--boxes-per-image", "-1"], "boxes per image must be a whole number"),
     ("boxes-word", ["--boxes-per-image", "many"], "--boxes-per-image"),
+    ("busiest-zero", ["--busiest-image-boxes", "0"], "--busiest-image-boxes must be a positive"),
     ("detection-counts", ["--detection-counts", "typical"], "unknown detection count policy"),
     ("targets-on-gpu", ["--targets-on-gpu", "polygons"], "unknown targets on the GPU"),
     ("resolution-zero", ["--resolution", "0"], "resolution must be a positive integer"),

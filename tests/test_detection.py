@@ -287,3 +287,39 @@ def test_the_samplers_take_negatives_only_without_a_ground_truth_box():
     )
     sampler([torch.zeros(2000, dtype=torch.int64)])
     assert ledger.sampled["roi"] == [(0, 512)]
+
+
+def test_the_busiest_image_holds_its_boxes_and_traces_as_a_real_cpu_step_does():
+    """``--busiest-image-boxes``: the last image's targets hold N boxes (masks too), the
+    other's ``--boxes-per-image``; the inputs grow by exactly the extra boxes'
+    targets (exact arithmetic: the CPU allocator does not round), and the step's peak is a
+    real CPU step's."""
+    uniform = RECIPE.with_changes(boxes_per_image=3, targets_on_gpu="masks")
+    busiest = uniform.with_changes(busiest_image_boxes=12)
+    images, targets = _faster(busiest).make_batch(2, torch.float32)
+    assert [t["boxes"].shape[0] for t in targets] == [3, 12]
+    assert [t["masks"].shape[0] for t in targets] == [3, 12]
+    plain = estimate_built(_faster(uniform), uniform, target="cpu")
+    busy = estimate_built(_faster(busiest), busiest, target="cpu")
+    # nine more boxes: a uint8 mask, four float32 coordinates and an int64 label each
+    assert busy.components["inputs"] - plain.components["inputs"] == 9 * (SIZE * SIZE + 16 + 8)
+    assert any("the last image holds 12 ground-truth boxes, the others 3" in n for n in busy.notes)
+    real = measure_built(_faster(busiest, "cpu"), busiest, "cpu", steps=2).allocated_bytes
+    assert busy.peak.allocated_bytes == pytest.approx(real, rel=0.03)
+
+
+def test_the_min_policy_matches_the_busiest_image_s_own_boxes():
+    policy = CountPolicy("min", 3, busiest_image_boxes=12)
+    assert [policy.positives(2000, image, 2) for image in (0, 1)] == [3, 12]
+
+
+@pytest.mark.parametrize(
+    "changes, message",
+    [
+        ({"busiest_image_boxes": 0}, "must be a positive integer"),
+        ({"busiest_image_boxes": 5, "boxes_per_image": 0}, "needs --boxes-per-image of 1"),
+    ],
+)
+def test_bad_busiest_image_boxes_are_user_errors(changes, message):
+    with pytest.raises(UserError, match=message):
+        RECIPE.with_changes(**changes)

@@ -44,6 +44,7 @@ def test_every_torchvision_model_has_its_task_and_other_families_are_explained()
     [
         ("torchvision:resnet18", {"frames": 4}, "--frames applies to video models"),
         ("torchvision:resnet18", {"boxes_per_image": 3}, "--boxes-per-image applies to detection"),
+        ("torchvision:resnet18", {"busiest_image_boxes": 93}, "--busiest-image-boxes applies"),
         ("torchvision:r3d_18", {"detection_counts": "min"}, "--detection-counts applies to"),
         ("torchvision:lraspp_mobilenet_v3_large", {"targets_on_gpu": "masks"}, "--targets-on"),
         ("torchvision:r3d_18", {"resolution": 256}, "--resolution applies to diffusers models"),

@@ -24,6 +24,14 @@ An ``fsdp=N`` knob traces one rank of N under PyTorch's FSDP2 (``distributed/fsd
 transformers 4.x's reentrant checkpointing (``--reentrant``): together they add what FSDP1
 holds (``fsdp1_held_blocks``: a frozen block's input and its gradient until backward ends).
 
+The COCO detection rows (torchvision's reference scripts, mmdetection, detectron2) give
+``busiest_image_boxes=93`` (``--busiest-image-boxes``): their ``max_memory_allocated`` is
+over a whole run, whose busiest image in COCO train2017 holds 93 annotated boxes
+(fchollet/deep-learning-with-python-notebooks#299 counts them; Megvii-BaseDetection/YOLOX#499:
+"more than 90"), and the anchor matching's IoU matrices grow with the boxes; the batch's
+other images keep the default 20. The Keypoint R-CNN row keeps 20 throughout: no count of
+COCO's person-keypoint annotations per image was found.
+
 The GPUMemNet rows (48-51, 54, 55, 1000-1002) use row 1003, the same setup's measured
 floor (a one-neuron MLP: context, cuBLAS kernels, driver reserve; no cuDNN), as their
 profile, as the BERT rows use their measured context.

@@ -115,6 +115,10 @@ class Recipe:
     kv_residual_length: int | None = None
     # Vision tasks (sources/detection.py): targets per image and the data-dependent counts.
     boxes_per_image: int = 20
+    # detection: the last image of each batch holds this many boxes instead (the busiest
+    # image of a run, on which max_memory_allocated over the run peaks; last, as the
+    # per-image loops then hold the other images' tensors)
+    busiest_image_boxes: int | None = None
     detection_counts: str = "max"
     # detection: the targets on the GPU beyond what the model needs ("masks": a mask per
     # box in every target, as torchvision's reference scripts load COCO)
@@ -486,6 +490,7 @@ def _check_generation(recipe: Recipe) -> None:
 
 VISION_DEFAULTS = {
     "boxes_per_image": 20,
+    "busiest_image_boxes": None,
     "detection_counts": "max",
     "targets_on_gpu": "model",
     "anchor_cache": False,
@@ -507,6 +512,15 @@ def _check_vision(recipe: Recipe) -> None:
     boxes = recipe.boxes_per_image
     if not isinstance(boxes, int) or isinstance(boxes, bool) or boxes < 0:
         raise UserError(f"boxes per image must be a whole number (0 or more), got {boxes}")
+    busiest = recipe.busiest_image_boxes
+    if busiest is not None:
+        if not isinstance(busiest, int) or isinstance(busiest, bool) or busiest <= 0:
+            raise UserError(f"--busiest-image-boxes must be a positive integer, got {busiest}")
+        if boxes == 0:
+            raise UserError(
+                "--busiest-image-boxes needs --boxes-per-image of 1 or more (the other images' "
+                "boxes; a batch of background images with one busy image is not modelled)"
+            )
     for name in ("resolution", "frames"):
         value = getattr(recipe, name)
         if value is not None and (

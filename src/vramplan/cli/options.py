@@ -668,6 +668,14 @@ BoxesPerImageOpt = Annotated[
         "(0: images without objects).",
     ),
 ]
+BusiestImageBoxesOpt = Annotated[
+    int | None,
+    typer.Option(
+        "--busiest-image-boxes",
+        help="Detection: the last image of the batch holds this many boxes, the others "
+        "--boxes-per-image: the busiest image of a run, where its peak is (COCO train2017: 93).",
+    ),
+]
 DetectionCountsOpt = Annotated[
     str,
     typer.Option(
@@ -731,6 +739,7 @@ DiffusionEncodersOpt = Annotated[
 
 VISION_OPTIONS = (
     "boxes_per_image",
+    "busiest_image_boxes",
     "detection_counts",
     "targets_on_gpu",
     "backbone_norm",

@@ -59,6 +59,7 @@ def resolve(
 # The options that describe one task's batch, and the model kinds that read them.
 TASK_OPTIONS = {
     "boxes_per_image": ("--boxes-per-image", "detection"),
+    "busiest_image_boxes": ("--busiest-image-boxes", "detection"),
     "detection_counts": ("--detection-counts", "detection"),
     "targets_on_gpu": ("--targets-on-gpu", "detection"),
     "anchor_cache": ("the anchor cache", "detection"),

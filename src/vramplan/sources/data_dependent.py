@@ -57,6 +57,9 @@ class CountPolicy:
 
     name: str = "max"
     boxes_per_image: int = 20
+    busiest_image_boxes: int | None = None
+    """The last image's boxes (``--busiest-image-boxes``): the per-image loops reach it when
+    the others' tensors are already held, so it peaks there."""
 
     def __post_init__(self) -> None:
         if self.name not in POLICIES:
@@ -64,14 +67,25 @@ class CountPolicy:
                 f"unknown detection count policy {self.name!r}; choose one of: max, min"
             )
 
-    def positives(self, candidates: int) -> int:
-        """Positive matches among ``candidates`` anchors or proposals of one image (none
-        without a ground-truth box)."""
-        if self.boxes_per_image == 0:
+    def boxes(self, image: int, images: int) -> int:
+        """The ground-truth boxes of the ``image``-th of ``images`` images.
+
+        >>> [CountPolicy("min", 3, busiest_image_boxes=93).boxes(i, 2) for i in (0, 1)]
+        [3, 93]
+        """
+        if image == images - 1 and self.busiest_image_boxes is not None:
+            return self.busiest_image_boxes
+        return self.boxes_per_image
+
+    def positives(self, candidates: int, image: int = 0, images: int = 2) -> int:
+        """Positive matches among ``candidates`` anchors or proposals of the ``image``-th of
+        ``images`` images (none without a ground-truth box)."""
+        boxes = self.boxes(image, images)
+        if boxes == 0:
             return 0
         if self.name == "max":
             return candidates
-        return min(candidates, self.boxes_per_image)
+        return min(candidates, boxes)
 
     def note(self) -> str:
         if self.boxes_per_image == 0:
@@ -137,9 +151,9 @@ class PolicySampler:
 
     def __call__(self, matched_idxs: list[torch.Tensor]):
         positive_masks, negative_masks, counts = [], [], []
-        for matched in matched_idxs:
+        for image, matched in enumerate(matched_idxs):
             candidates = matched.numel()
-            positive = min(self.policy.positives(candidates), candidates)
+            positive = min(self.policy.positives(candidates, image, len(matched_idxs)), candidates)
             num_pos = min(positive, int(self.batch_size_per_image * self.positive_fraction))
             # the batch's rest is negatives where the candidates have them: a busy image's
             # positives past the cap still leave the proposals far from every box
