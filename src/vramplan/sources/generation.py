@@ -107,7 +107,7 @@ class Generator:
             return model(
                 input_ids=ids,
                 position_ids=positions,
-                past_key_values=cache,
+                **{cache_keyword(model): cache},
                 use_cache=True,
                 **kwargs,
                 **extras,
@@ -140,10 +140,16 @@ class Generator:
         return model(
             encoder_outputs=encoded,
             decoder_input_ids=ids,
-            past_key_values=cache,
+            **{cache_keyword(model): cache},
             use_cache=True,
             **extra,
         )
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword a model's forward takes its cache by: ``cache`` from transformers 5.2x
+    (``past_key_values`` is deprecated there and warns), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def cache_layers(cache: Any) -> list[Any]:
