@@ -102,9 +102,9 @@ class CountPolicy:
                 "positive caps reached, mask/keypoint heads on every sampled positive"
             )
         return (
-            f"data-dependent steps at their fewest (policy min): each of the "
-            f"{self.boxes_per_image} ground-truth boxes per image matched once, the samplers "
-            "filled with negatives, NMS keeping every proposal up to rpn_post_nms_top_n_train"
+            "data-dependent steps at their fewest (policy min): each image's ground-truth "
+            "boxes matched once, the samplers filled with negatives, NMS keeping every "
+            "proposal up to rpn_post_nms_top_n_train"
         )
 
 

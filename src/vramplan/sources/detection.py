@@ -234,11 +234,15 @@ def hold_norms_in_eval(backbone: nn.Module) -> int:
 def _boxes_note(recipe: Recipe) -> str:
     """The note on the batch's ground-truth boxes.
 
-    >>> _boxes_note(Recipe(busiest_image_boxes=93)).split(" (")[0]
+    >>> _boxes_note(Recipe(batch_size=2, busiest_image_boxes=93)).split(" (")[0]
     'the last image holds 93 ground-truth boxes, the others 20'
+    >>> _boxes_note(Recipe(batch_size=1, busiest_image_boxes=93)).split(" (")[0]
+    'the image holds 93 ground-truth boxes'
     """
     boxes = f"{recipe.boxes_per_image} ground-truth boxes per image"
-    if recipe.busiest_image_boxes is not None:
+    if recipe.busiest_image_boxes is not None and recipe.batch_size == 1:
+        boxes = f"the image holds {recipe.busiest_image_boxes} ground-truth boxes"
+    elif recipe.busiest_image_boxes is not None:
         boxes = (
             f"the last image holds {recipe.busiest_image_boxes} ground-truth boxes, the "
             f"others {recipe.boxes_per_image}"
