@@ -192,3 +192,15 @@ def test_linear_experts_compute_what_the_5x_loop_computes(tmp_path):
 def test_linear_experts_refuse_other_families(tmp_path):
     with pytest.raises(UserError, match="no Mixtral experts block"):
         resolve(_config(tmp_path, QWEN2_MOE), Recipe(experts="linear"))
+
+
+def test_fp16_grouped_experts_are_refused_in_one_line_naming_what_runs(tmp_path, run_cli):
+    """PyTorch runs fp16 ``grouped_mm`` only through cuBLASLt's grouped GEMM (CUDA 13.3+ on
+    sm90-sm11x; ``_meta_registrations``), so an fp16 step of transformers' default experts
+    fails on other stacks; the line says so, and bf16 or ``--experts eager`` runs."""
+    spec = _config(tmp_path, MIXTRAL)
+    code, out, err = run_cli("estimate", spec, "-s", "16", "-p", "fp16", "--mode", "infer")
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert "CUDA 13.3" in err and "--precision bf16" in err
+    for flags in (["-p", "bf16"], ["-p", "fp16", "--experts", "eager"]):
+        assert run_cli("estimate", spec, "-s", "16", "--mode", "infer", *flags)[0] == 0

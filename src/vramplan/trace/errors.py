@@ -50,6 +50,14 @@ def explain_failure(
             "runs, as after a global pool at batch 1), which a real step refuses too; raise "
             "--batch-size (or the input size)"
         )
+    if "Float16 grouped_mm requires cuBLASLt grouped GEMM support" in str(exc):
+        return UserError(
+            f"model {model_name} failed on the example batch: {_first_line(exc)} PyTorch runs "
+            "an fp16 grouped matmul (transformers' default mixture-of-experts kernel) only "
+            "through cuBLASLt's grouped GEMM, with CUDA 13.3 or later on sm90-sm11x, so a real "
+            "fp16 step fails on other stacks too; use --precision bf16 or amp-bf16, or "
+            "--experts eager where the experts allow it"
+        )
     if "FSDP expects uniform original parameter dtype" in str(exc):
         return UserError(
             f"model {model_name} failed on the example batch: {_first_line(exc)}: FSDP2 "
