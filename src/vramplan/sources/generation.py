@@ -17,6 +17,7 @@ builds a ``StaticCache`` of ``max_length - 1`` positions, allocated at the first
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from typing import Any
@@ -149,7 +150,13 @@ class Generator:
 def cache_keyword(model: nn.Module) -> str:
     """The keyword a model's forward takes its cache by: ``cache`` from transformers 5.2x
     (``past_key_values`` is deprecated there and warns), ``past_key_values`` before."""
-    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    return _cache_keyword(type(model))
+
+
+@functools.cache
+def _cache_keyword(model_class: type) -> str:
+    takes = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in takes else "past_key_values"
 
 
 def cache_layers(cache: Any) -> list[Any]:

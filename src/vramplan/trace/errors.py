@@ -62,8 +62,8 @@ def explain_failure(
         return UserError(
             f"model {model_name} failed on the example batch: {_first_line(exc)}: FSDP2 "
             "all-gathers one dtype per sharded unit, and this half-precision model keeps some "
-            "weights in fp32 (transformers' _keep_in_fp32_modules), which a real run refuses "
-            "too; train in fp32 weights with --precision amp-fp16 or amp-bf16"
+            "weights in fp32 (transformers' _keep_in_fp32_modules, or --keep-fp32), which a "
+            "real run refuses too; train in fp32 weights with --precision amp-fp16 or amp-bf16"
         )
     gpu_hint = cuda_hint(exc)
     if gpu_hint:

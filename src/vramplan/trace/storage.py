@@ -77,7 +77,8 @@ def cast_parameters(model: nn.Module, recipe: Recipe) -> str | None:
         if kept:
             note = (
                 f"{len(kept)} weights kept in fp32 as transformers' from_pretrained keeps "
-                f"them under {recipe.param_dtype_name} (_keep_in_fp32_modules), e.g. {kept[0]}"
+                f"them under {recipe.param_dtype_name} (the model's _keep_in_fp32_modules or "
+                f"_keep_in_fp32_modules_strict), e.g. {kept[0]}"
             )
     keep = [p.strip() for p in (recipe.keep_fp32 or "").split(",") if p.strip()]
     if not keep:
