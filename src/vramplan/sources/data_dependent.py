@@ -29,7 +29,7 @@ the counts into Python ints (``min(positive.numel(), num_pos)``, ``int(x.item())
 stop on a guard; concrete counts from a policy can be traced and replayed.
 
 >>> policy = CountPolicy("min", boxes_per_image=3)
->>> policy.positives(2000), CountPolicy("max", 3).positives(2000)
+>>> policy.positives(2000, 0, 1), CountPolicy("max", 3).positives(2000, 0, 1)
 (3, 2000)
 """
 
@@ -77,7 +77,7 @@ class CountPolicy:
             return self.busiest_image_boxes
         return self.boxes_per_image
 
-    def positives(self, candidates: int, image: int = 0, images: int = 2) -> int:
+    def positives(self, candidates: int, image: int, images: int) -> int:
         """Positive matches among ``candidates`` anchors or proposals of the ``image``-th of
         ``images`` images (none without a ground-truth box)."""
         boxes = self.boxes(image, images)

@@ -90,9 +90,14 @@ def cast_parameters(model: nn.Module, recipe: Recipe) -> str | None:
             raise UserError(
                 f"--keep-fp32 {pattern!r} matches no parameter name (names look like {example!r})"
             )
-    for name, param in named:
-        if param.is_floating_point() and any(fnmatchcase(name, p) for p in keep):
-            param.data = param.data.to(torch.float32)
+    _to_fp32(
+        model,
+        [
+            name
+            for name, param in named
+            if param.is_floating_point() and any(fnmatchcase(name, p) for p in keep)
+        ],
+    )
     return note
 
 
