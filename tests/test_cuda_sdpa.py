@@ -3,10 +3,14 @@ the chosen kernel keeps for backward, checked against the CPU's own fused kernel
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from vramplan.device.stack import parse_stack
 from vramplan.recipe import Recipe
 from vramplan.sources import resolve
 from vramplan.trace.cuda_sdpa import Attention, choose_backend, cuda_sdpa
@@ -39,8 +43,11 @@ def _shape(
         (_shape(dtype=torch.bfloat16), "sm75", "math"),  # no bf16 kernel before sm80
         (_shape(dtype=torch.float32, heads_kv=2), "sm80", "math"),  # GQA: not efficient
         (_shape(heads_kv=2), "sm80", "flash"),  # flash takes GQA
-        (_shape(), "sm90", "cudnn"),  # cuDNN first on sm90
-        (_shape(head=256), "sm90", "cudnn"),  # up to 256 on sm90
+        (_shape(dropout=0.0), "sm90", "cudnn"),  # cuDNN first on sm90
+        (_shape(dropout=0.125), "sm90", "cudnn"),  # a dropout in 1/16 steps
+        (_shape(), "sm90", "flash"),  # 0.1 is not in cuDNN's 1/16 steps
+        (_shape(mask=True), "sm90", "efficient"),  # flash takes no mask
+        (_shape(head=256, dropout=0.0), "sm90", "cudnn"),  # up to 256 on sm90
         (_shape(head=256), "sm100", "flash"),  # cuDNN up to 128 elsewhere
         (_shape(head=200), "sm86", "efficient"),  # flash backward: no (192, 224] on sm86
         (_shape(head=200, grad=False), "sm86", "flash"),  # inference is fine
@@ -52,6 +59,19 @@ def _shape(
 )
 def test_selection_rules(shape, arch, backend):
     assert choose_backend(shape, arch) == backend
+
+
+def test_before_pytorch_2_12_cudnn_takes_any_dropout():
+    """A lent H200 (torch 2.11, cuDNN 9.19) ran BERT's and GPT-2's 0.1 dropout on cuDNN."""
+    assert choose_backend(_shape(), "sm90", dropout_steps=False) == "cudnn"
+    assert parse_stack("torch2.11-cu13.0").cudnn_dropout_steps is False
+    assert parse_stack("torch2.14-cu13.0").cudnn_dropout_steps is True
+
+
+@pytest.mark.parametrize("arch", ["sm80", "sm90"])
+def test_a_learned_bias_runs_on_the_math_kernel(arch):
+    """What torch._fused_sdp_choice picked for flan-t5's self-attention on the H200."""
+    assert choose_backend(replace(_shape(mask=True), mask_needs_grad=True), arch) == "math"
 
 
 def _qkv(length, dtype=torch.bfloat16):
@@ -133,3 +153,41 @@ def test_f_is_restored_after_tracing(gpt2_spec):
     original = F.scaled_dot_product_attention
     _forward_activations(gpt2_spec, CudaPolicy("sm90"), 64)
     assert F.scaled_dot_product_attention is original
+
+
+def _t5(tmp_path, dropout: float) -> str:
+    config = {
+        "architectures": ["T5ForConditionalGeneration"],
+        "model_type": "t5",
+        "d_model": 64,
+        "d_kv": 16,
+        "d_ff": 128,
+        "num_layers": 2,
+        "num_decoder_layers": 2,
+        "num_heads": 4,
+        "vocab_size": 128,
+        "dropout_rate": dropout,
+        "decoder_start_token_id": 0,
+        "pad_token_id": 0,
+    }
+    path = tmp_path / f"t5-{dropout}" / "config.json"
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps(config))
+    return f"hf:{path}"
+
+
+@pytest.mark.parametrize(
+    "dropout,stack,cross",
+    [(0.1, "torch2.11-cu13.0", "cudnn"), (0.1, "torch2.14-cu13.0", "efficient")],
+)
+def test_t5_kernels_are_those_a_real_h200_step_picked(tmp_path, run_cli, dropout, stack, cross):
+    """flan-t5 on a lent H200 (torch 2.11): math for the self-attention, whose learned
+    position bias needs a gradient, and cuDNN for the cross-attention (a mask without one,
+    dropout 0.1). From PyTorch 2.12 cuDNN refuses 0.1, so the cross-attention runs on
+    memory-efficient attention (flash takes no mask). Two blocks each side, two iterations."""
+    args = ("-s", "32", "-p", "fp16", "--gpu", "h200", "--stack", stack, "--json")
+    code, out, _ = run_cli("estimate", _t5(tmp_path, dropout), *args)
+    notes = [n for n in json.loads(out)["notes"] if "SDPA selection" in n]
+    assert code == 0 and notes == [
+        f"attention as the GPU runs it (PyTorch's SDPA selection): {cross} x4, math x8"
+    ]

@@ -125,6 +125,7 @@ def _policy(target: str, device: DeviceOptions) -> DevicePolicy:
         software.zero_grad_frees,
         software.saves_every_operand,
         software.softmax_keeps_input,
+        software.cudnn_dropout_steps,
     )
 
 
@@ -144,6 +145,7 @@ def flop_counting_policy(device: DeviceOptions) -> DevicePolicy:
         software.foreach_default,
         software.zero_grad_frees,
         software.saves_every_operand,
+        cudnn_dropout_steps=software.cudnn_dropout_steps,
     )
 
 
@@ -157,7 +159,14 @@ def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any 
             raise UserError("--mode generate is traced on one GPU (no --fsdp)")
         return trace_generation(built, recipe, policy)
     if built.repeat_blocks:
-        rules = ("arch", "foreach", "frees_grads", "saves_every_operand", "softmax_keeps_input")
+        rules = (
+            "arch",
+            "foreach",
+            "frees_grads",
+            "saves_every_operand",
+            "softmax_keeps_input",
+            "cudnn_dropout_steps",
+        )
         kind = (type(policy), policy.name, *(vars(policy).get(rule) for rule in rules), engine)
         trace, note = repeat_built(
             built, recipe, lambda b, r: _trace_counted(b, r, policy, engine), kind

@@ -89,6 +89,17 @@ class Stack:
         return _version(self.torch) < _version(rule["guarded_from_torch"])
 
     @property
+    def cudnn_dropout_steps(self) -> bool:
+        """Whether SDPA routes to cuDNN only a dropout in steps of 1/16 (from PyTorch 2.12;
+        before, the usual 0.1 ran on cuDNN on sm90/sm100).
+
+        >>> parse_stack("torch2.11-cu13.0").cudnn_dropout_steps
+        False
+        """
+        rule = runtime_table()["sdpa_cudnn_dropout"]
+        return _version(self.torch) >= _version(rule["steps_from_torch"])
+
+    @property
     def softmax_keeps_input(self) -> bool:
         """Whether autograd kept a softmax's input as well as its output (before PyTorch
         1.11; ``trace/legacy_softmax.py``).

@@ -31,6 +31,7 @@ from vramplan.trace.loop import frees_gradients, run_steps
 from vramplan.trace.materialize import materialize, unique_parameters
 from vramplan.trace.policy import CpuPolicy, CudaPolicy
 from vramplan.trace.step import prepare_model_for
+from vramplan.trace.tricks import Offloader, step_in_backward
 
 
 @dataclass(frozen=True)
@@ -113,17 +114,26 @@ def _run(
         params = unique_parameters(model)
         batch = built.make_batch(recipe.batch_size, getattr(torch, recipe.param_dtype_name))
     optimizer = None
-    if recipe.is_training:
+    if recipe.is_training and recipe.optimizer_in_backward:
+        step_in_backward(params, recipe.optimizer, policy.optimizer_defaults(), lr=0.0)
+    elif recipe.is_training:
         optimizer = built.make_optimizer and built.make_optimizer(params, recipe)
         # learning rate 0: the same kernels and state, weights that cannot diverge
         optimizer = optimizer or build_optimizer(
             recipe.optimizer, params, policy.optimizer_defaults(), recipe.optimizer_impl, lr=0.0
         )
 
+    offloader = Offloader(None, model) if recipe.activation_offload else None
+
+    @contextlib.contextmanager
     def autocast():
-        if not recipe.uses_autocast:
-            return contextlib.nullcontext()
-        return torch.autocast(device, dtype=getattr(torch, recipe.compute_dtype_name))
+        with contextlib.ExitStack() as stack:
+            if recipe.uses_autocast:
+                dtype = getattr(torch, recipe.compute_dtype_name)
+                stack.enter_context(torch.autocast(device, dtype=dtype))
+            if offloader is not None and recipe.is_training:
+                stack.enter_context(offloader.forward())
+            yield
 
     run_steps(
         built,

@@ -15,9 +15,22 @@ recompute and backward see the same kernel)::
     'efficient'
 
 The rules follow ``aten/src/ATen/native/transformers/cuda/sdp_utils.cpp`` (PyTorch 2.9 to
-2.14): order cuDNN, flash, memory-efficient, math on sm90/sm100 (cuDNN >= 9.9 prefers its
-own kernel there), flash, memory-efficient, math elsewhere; ROCm (gfx) has flash and
-memory-efficient through AOTriton and no cuDNN kernel.
+2.14): order cuDNN, flash, memory-efficient, math on sm90/sm100 (where the runtime cuDNN
+is newer than 9.15, as the CUDA 13 wheels ship it), flash, memory-efficient, math
+elsewhere; ROCm (gfx) has flash and memory-efficient through AOTriton and no cuDNN kernel.
+From PyTorch 2.12 cuDNN takes a dropout only in steps of 1/16 (``check_cudnn_dropout``),
+so the usual 0.1 of BERT or GPT-2 training goes to flash even on sm90 (2.11 ran it on
+cuDNN, as a lent H200 showed)::
+
+    >>> choose_backend(Attention.of(q, k, v, None, 0.1, True, True), "sm90")
+    'flash'
+    >>> choose_backend(Attention.of(q, k, v, None, 0.1, True, True), "sm90", dropout_steps=False)
+    'cudnn'
+
+A mask that requires a gradient (T5's learned relative position bias) runs on the math
+kernel, which keeps the (L, S) probabilities: cuDNN refuses it (``check_attn_mask_shape``),
+flash takes no mask, and PyTorch 2.11 on a lent H200 picked math over memory-efficient
+attention for every such call of flan-t5 (``torch._fused_sdp_choice``).
 """
 
 from __future__ import annotations
@@ -50,6 +63,8 @@ class Attention:
     dropout: float
     is_causal: bool
     needs_grad: bool
+    mask_needs_grad: bool = False
+    """A learned bias as the mask (T5's relative position bias): no fused kernel takes it."""
 
     @classmethod
     def of(cls, q, k, v, attn_mask, dropout_p, is_causal, needs_grad) -> Attention:
@@ -65,6 +80,7 @@ class Attention:
             dropout=dropout_p,
             is_causal=is_causal,
             needs_grad=needs_grad,
+            mask_needs_grad=needs_grad and attn_mask is not None and attn_mask.requires_grad,
         )
 
 
@@ -119,20 +135,25 @@ def _efficient_ok(a: Attention, arch: str) -> bool:
     return a.dtype in allowed
 
 
-def _cudnn_ok(a: Attention, arch: str) -> bool:
+def _cudnn_ok(a: Attention, arch: str, dropout_steps: bool) -> bool:
     major, minor = _sm(arch)
     if not _low_precision(a, major):
         return False
     limit = 256 if (major, minor) == (9, 0) else 128
     if max(a.head_dim_qk, a.head_dim_v) > limit or a.head_dim_qk % 8 or a.head_dim_v % 8:
         return False
+    if dropout_steps and a.dropout * 16 != math.floor(a.dropout * 16):  # steps of 1/16
+        return False
     return a.len_kv > 1 and not (a.len_q == 1 and a.dropout > 0)
 
 
-def choose_backend(a: Attention, arch: str) -> str:
-    """The kernel PyTorch's CUDA dispatcher picks: cudnn, flash, efficient or math."""
+def choose_backend(a: Attention, arch: str, dropout_steps: bool = True) -> str:
+    """The kernel PyTorch's CUDA dispatcher picks: cudnn, flash, efficient or math
+    (``dropout_steps``: PyTorch 2.12+, where cuDNN takes dropout only in 1/16 steps)."""
+    if a.mask_needs_grad:
+        return "math"
     cudnn_first = not arch.startswith("gfx") and _sm(arch) in ((9, 0), (10, 0))
-    if cudnn_first and _cudnn_ok(a, arch):
+    if cudnn_first and _cudnn_ok(a, arch, dropout_steps):
         return "cudnn"
     if _flash_ok(a, arch):
         return "flash"
@@ -197,7 +218,9 @@ def _run(backend, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, n
     )[0]
 
 
-def cuda_sdpa(arch: str, calls: dict[str, int]) -> contextlib.AbstractContextManager:
+def cuda_sdpa(
+    arch: str, calls: dict[str, int], dropout_steps: bool = True
+) -> contextlib.AbstractContextManager:
     """Route ``F.scaled_dot_product_attention`` to the kernel a GPU of ``arch`` picks,
     counting the choices in ``calls``."""
     original = F.scaled_dot_product_attention
@@ -226,7 +249,7 @@ def cuda_sdpa(arch: str, calls: dict[str, int]) -> contextlib.AbstractContextMan
         query, key, value, attn_mask = _autocast(query, key, value, attn_mask)
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
         shape = Attention.of(query, key, value, attn_mask, dropout_p, is_causal, needs_grad)
-        backend = choose_backend(shape, arch)
+        backend = choose_backend(shape, arch, dropout_steps)
         if backend != "math" and shape.heads_q != shape.heads_kv and not enable_gqa:
             backend = "math"  # without enable_gqa the head counts must match
         calls[backend] = calls.get(backend, 0) + 1

@@ -103,8 +103,10 @@ class CudaPolicy(CpuPolicy):
         frees_grads: bool = True,
         saves_every_operand: bool = False,
         softmax_keeps_input: bool = False,
+        cudnn_dropout_steps: bool = True,
     ) -> None:
         self.arch = arch
+        self.cudnn_dropout_steps = cudnn_dropout_steps
         self.foreach = foreach
         self.frees_grads = frees_grads
         self.saves_every_operand = saves_every_operand
@@ -126,7 +128,8 @@ class CudaPolicy(CpuPolicy):
         from vramplan.trace.cuda_sdpa import cuda_sdpa
 
         self._kernels = {}
-        modes = [cuda_sdpa(self.arch, self._kernels), cuda_lstm(self._kernels), cuda_dropout()]
+        sdpa = cuda_sdpa(self.arch, self._kernels, self.cudnn_dropout_steps)
+        modes = [sdpa, cuda_lstm(self._kernels), cuda_dropout()]
         if self.saves_every_operand:
             from vramplan.trace.legacy_saving import saving_every_operand
 
@@ -188,11 +191,15 @@ def policy_for(
     frees_grads: bool = True,
     saves_every_operand: bool = False,
     softmax_keeps_input: bool = False,
+    cudnn_dropout_steps: bool = True,
 ) -> DevicePolicy:
     """The policy for a target device name: ``cuda`` (default, of GPU ``arch``; ``foreach``
     the emulated PyTorch's default optimizer implementation there, ``frees_grads`` its
     ``zero_grad()`` default, ``saves_every_operand`` its autograd saving rule for mul/div,
-    ``softmax_keeps_input`` its rule for softmax) or ``cpu``."""
+    ``softmax_keeps_input`` its rule for softmax, ``cudnn_dropout_steps`` its SDPA rule for
+    dropout on cuDNN) or ``cpu``."""
     if target == "cpu":
         return CpuPolicy()
-    return CudaPolicy(arch, foreach, frees_grads, saves_every_operand, softmax_keeps_input)
+    return CudaPolicy(
+        arch, foreach, frees_grads, saves_every_operand, softmax_keeps_input, cudnn_dropout_steps
+    )

@@ -38,15 +38,16 @@ FORWARD_STASH = 5
 
 
 def step_in_backward(
-    params: list[nn.Parameter], name: str, defaults: dict
+    params: list[nn.Parameter], name: str, defaults: dict, **lr: float
 ) -> list[torch.optim.Optimizer]:
     """An optimizer per trainable parameter, stepped (and its gradient freed) from the
-    parameter's post-accumulate-grad hook; returns the optimizers."""
+    parameter's post-accumulate-grad hook; returns the optimizers (``lr=0.0`` for a
+    measured run, as ``build_optimizer`` takes it)."""
     optimizers = []
     for param in params:
         if not param.requires_grad:
             continue
-        optimizer = build_optimizer(name, [param], defaults)
+        optimizer = build_optimizer(name, [param], defaults, **lr)
         if optimizer is None:
             continue
 
@@ -66,13 +67,16 @@ def _output_head(model: nn.Module) -> nn.Module | None:
 
 
 class Offloader:
-    """torchtune's ``OffloadActivations`` (streams on), with the host copies traced."""
+    """torchtune's ``OffloadActivations`` (streams on), with the host copies traced; without
+    a recorder (a measured run) the copies are real: pinned host memory out, the device
+    back, each copy synchronous where torchtune's side stream overlaps it."""
 
-    def __init__(self, recorder: AllocationRecorder, model: nn.Module) -> None:
+    def __init__(self, recorder: AllocationRecorder | None, model: nn.Module) -> None:
         self.recorder = recorder
         self.tracker: dict[int, tuple[torch.Tensor, bool]] = {}
         self.forward_stash: dict[int, torch.Tensor] = {}
         self.backward_stash: dict[int, torch.Tensor] = {}
+        self.devices: dict[int, torch.device] = {}
         self.next_id = 0
         self.node = None
         self.first_backward_call = True
@@ -94,12 +98,19 @@ class Offloader:
             return tensor_id
         for old in [k for k in self.forward_stash if k <= tensor_id - FORWARD_STASH]:
             del self.forward_stash[old]  # the side stream has copied it: the device copy dies
-        host = torch.empty_like(tensor)
-        record = self.recorder.record_for(host)
-        if record is not None:
-            record.tags.add("offloaded")
-            record.op = "offload_to_host"
+        if self.recorder is None:
+            host = torch.empty(
+                tensor.size(), dtype=tensor.dtype, device="cpu", pin_memory=tensor.is_cuda
+            )
+            host.copy_(tensor)
+        else:
+            host = torch.empty_like(tensor)
+            record = self.recorder.record_for(host)
+            if record is not None:
+                record.tags.add("offloaded")
+                record.op = "offload_to_host"
         self.tracker[tensor_id] = (host, True)
+        self.devices[tensor_id] = tensor.device
         self.forward_stash[tensor_id] = tensor
         return tensor_id
 
@@ -117,12 +128,16 @@ class Offloader:
             previous = list(self.backward_stash)
         if tensor_id in self.forward_stash:
             tensor = self.forward_stash[tensor_id]
+        elif self.recorder is None:
+            tensor = tensor.to(self.devices[tensor_id])  # copied back to the card
+            self.backward_stash[tensor_id] = tensor
         else:
             tensor = torch.empty_like(tensor)  # copied back to the card
             record = self.recorder.record_for(tensor)
             if record is not None:
                 record.op = "reload_from_host"
             self.backward_stash[tensor_id] = tensor
+        self.devices.pop(tensor_id, None)
 
         def release(outputs, _inputs):
             self.forward_stash.clear()

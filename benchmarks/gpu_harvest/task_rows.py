@@ -1,0 +1,104 @@
+"""Fresh-process ``vramplan measure`` rows for the tasks beyond classification and plain
+training: detection, segmentation, video, diffusion, fine-tuning and inference, on a lent
+card, written as ``<out>/<name>.json`` beside ``summary.json``::
+
+    python -m benchmarks.gpu_harvest.task_rows --out /tmp/tasks --jobs 4 --budget-s 400
+
+    >>> [row.name for row in TASK_ROWS][:2]
+    ['frcnn-r50-b2-busy93', 'frcnn-r50-b2-min']
+
+Detection rows train as torchvision's reference scripts (SGD with momentum, fp32, images
+resized to 800/1333); ``measure`` builds each model with random weights, so the real run's
+data-dependent counts (NMS, the samplers) fall between ``--detection-counts min`` and the
+default ``max``, and the pair brackets it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from benchmarks.gpu_harvest.device_rows import DeviceRow, measure_rows
+
+
+def _row(name: str, model: str, args: str) -> DeviceRow:
+    return DeviceRow(name, model, tuple(args.split()))
+
+
+BUSY = "-o momentum --busiest-image-boxes 93"
+DETECTION = f"-b 2 {BUSY}"
+SEG = "-o momentum --input-shape"
+TV, SD15, T5 = "torchvision:", "diffusers:sd15-unet", "hf:google/flan-t5-base"
+QWEN, SMOL = "hf:Qwen/Qwen2.5-0.5B", "hf:HuggingFaceTB/SmolLM2-360M"
+TINYLLAMA, CKPT = "hf:TinyLlama/TinyLlama-1.1B-Chat-v1.0", "--checkpointing full"
+TASK_ROWS = (
+    _row(
+        "frcnn-r50-b2-busy93", f"{TV}fasterrcnn_resnet50_fpn", f"{DETECTION} --targets-on-gpu masks"
+    ),
+    _row(
+        "frcnn-r50-b2-min",
+        f"{TV}fasterrcnn_resnet50_fpn",
+        "-b 2 -o momentum --detection-counts min",
+    ),
+    _row("maskrcnn-r50-b2-busy93", f"{TV}maskrcnn_resnet50_fpn", DETECTION),
+    _row("retinanet-r50-b2-busy93", f"{TV}retinanet_resnet50_fpn", DETECTION),
+    _row("keypointrcnn-r50-b2", f"{TV}keypointrcnn_resnet50_fpn", "-b 2 -o momentum"),
+    _row("fcos-r50-b2-busy93", f"{TV}fcos_resnet50_fpn", DETECTION),
+    _row("ssdlite-b24-busy93", f"{TV}ssdlite320_mobilenet_v3_large", f"-b 24 {BUSY}"),
+    _row("frcnn-mnv3-320-b2-busy93", f"{TV}fasterrcnn_mobilenet_v3_large_320_fpn", DETECTION),
+    _row("deeplabv3-r50-b4-512", f"{TV}deeplabv3_resnet50", f"-b 4 {SEG} 3x512x512"),
+    _row("fcn-r50-b2-512x1024", f"{TV}fcn_resnet50", f"-b 2 {SEG} 3x512x1024"),
+    _row("r3d18-b8-f16", f"{TV}r3d_18", "-b 8 --frames 16 -o sgd"),
+    _row("sd15-unet-b4-ampfp16", SD15, "-b 4 -p amp-fp16 -o adamw"),
+    _row("dit-xl-b16-ampbf16", "diffusers:dit-xl-2-256", "-b 16 -p amp-bf16 -o adamw"),
+    _row("flan-t5-base-fp16-b8-s256", T5, "-b 8 -s 256 -p fp16 -o adamw"),
+    _row("qwen05-lora16-bf16-b8-s1024", QWEN, "-b 8 -s 1024 -p bf16 --lora 16"),
+    _row("qwen05-bf16-chunks8-b8-s1024", QWEN, f"-b 8 -s 1024 -p bf16 --loss-chunks 8 {CKPT}"),
+    _row("tinyllama-infer-bf16-b8-s2048", TINYLLAMA, "-b 8 -s 2048 -p bf16 --mode infer"),
+    _row(
+        "sd15-unet-b2-frozen-ampfp16", SD15, "-b 2 -p amp-fp16 -o adamw --diffusion-encoders frozen"
+    ),
+    _row("flan-t5-base-bf16-b8-s512", T5, "-b 8 -s 512 -p bf16 -o adamw"),
+    _row("qwen05-dora16-bf16-b4-s1024", QWEN, "-b 4 -s 1024 -p bf16 --lora 16 --dora"),
+    _row("qwen05-oib-bf16-b8-s1024", QWEN, "-b 8 -s 1024 -p bf16 --optimizer-in-backward"),
+    _row("qwen05-offload-bf16-b8-s1024", QWEN, "-b 8 -s 1024 -p bf16 --activation-offload"),
+    _row(
+        "qwen05-offload-ckpt-bf16-b8-s1024",
+        QWEN,
+        f"-b 8 -s 1024 -p bf16 --activation-offload {CKPT}",
+    ),
+    _row("qwen05-fp32-b1-s256", QWEN, "-b 1 -s 256 -o adamw"),
+    _row("qwen05-oib-fp32-b1-s256", QWEN, "-b 1 -s 256 -o adamw --optimizer-in-backward"),
+    _row("smollm2-360m-packing-bf16-b8-s2048", SMOL, "-b 8 -s 2048 -p bf16 --packing"),
+    _row("tinyllama-lora-ckpt-bf16-b8-s2048", TINYLLAMA, f"-b 8 -s 2048 -p bf16 --lora 16 {CKPT}"),
+    _row("gpt2-compile-ampbf16-b8-s1024", "hf:gpt2", "-b 8 -s 1024 -p amp-bf16 --compile"),
+    _row("vit-b16-ampbf16-b64", f"{TV}vit_b_16", "-b 64 -p amp-bf16 -o adamw"),
+    _row("maskrcnn-infer-b8", f"{TV}maskrcnn_resnet50_fpn", "-b 8 --mode infer"),
+    _row("sd15-unet-ckpt-b8-ampfp16", SD15, f"-b 8 -p amp-fp16 -o adamw {CKPT}"),
+)
+"""Run on the H200 on 2026-11-27 (issues 15 and 17) in three batches: up to
+``sd15-unet-b2-frozen-ampfp16``, the rest, then the offload and optimizer-in-backward rows
+again once ``measure`` ran those tricks for real; diffusers rides along in ``carry`` where
+the card's image lacks it."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--jobs", type=int, default=4)
+    parser.add_argument("--budget-s", type=float, default=400)
+    parser.add_argument("--only", help="comma-separated row names (default: all)")
+    options = parser.parse_args(argv)
+    wanted = set(options.only.split(",")) if options.only else None
+    rows = tuple(row for row in TASK_ROWS if wanted is None or row.name in wanted)
+    summary = measure_rows(options.out, options.jobs, options.budget_s, rows)
+    options.out.mkdir(parents=True, exist_ok=True)
+    (options.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    for line in summary:
+        print(json.dumps(line))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
