@@ -4,6 +4,7 @@ the chosen kernel keeps for backward, checked against the CPU's own fused kernel
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 
 import pytest
@@ -191,3 +192,26 @@ def test_t5_kernels_are_those_a_real_h200_step_picked(tmp_path, run_cli, dropout
     assert code == 0 and notes == [
         f"attention as the GPU runs it (PyTorch's SDPA selection): {cross} x4, math x8"
     ]
+
+
+def test_math_kernel_keeps_cudas_one_byte_dropout_mask():
+    """On CUDA the math kernel's dropout is ``native_dropout``: backward keeps a bool mask of
+    the (B, H, L, S) probabilities beside the softmax output and the dropped probabilities
+    (both fp32 after the half-precision upcast); the CPU's unfused dropout would keep a
+    third fp32 tensor of that size (its noise) instead of the mask."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    shape = (2, 4, 64, 64)  # (B, H, L, S)
+    saved = []
+    with FakeTensorMode(), cuda_sdpa("sm90", {}):
+        q, k, v = _qkv(64)
+        q, k, v = (t[..., :16] for t in (q, k, v))
+        bias = torch.zeros(1, 4, 64, 64, dtype=torch.bfloat16, requires_grad=True)  # learned
+        with torch.autograd.graph.saved_tensors_hooks(
+            lambda t: saved.append((tuple(t.shape), t.dtype)) or t, lambda t: t
+        ):
+            F.scaled_dot_product_attention(q, k, v, attn_mask=bias, dropout_p=0.1)
+    flat = [(math.prod(s), d) for s, d in saved]
+    n = math.prod(shape)
+    assert flat.count((n, torch.bool)) == 1
+    assert flat.count((n, torch.float32)) == 2

@@ -23,6 +23,7 @@ from vramplan.collector import resume
 from vramplan.device.catalog import GpuSpec, gpu_from_memory, lookup_gpu
 from vramplan.errors import UserError
 from vramplan.measurement.nvml import NvmlUsed, driver_version, nvml_used
+from vramplan.native_stderr import quiet_native_stderr
 from vramplan.optimizers import build_optimizer
 from vramplan.recipe import Recipe
 from vramplan.result import Phase
@@ -204,31 +205,13 @@ def _allocation_events(prof) -> list[tuple[int, int]]:
     return sorted(found)
 
 
-@contextlib.contextmanager
-def _quiet_native_stderr():
-    """The profiler's native library logs start/stop lines straight to file descriptor 2;
-    send them to /dev/null for the duration (Python-level errors are caught by callers)."""
-    import os
-    import sys
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with open(os.devnull, "w") as sink:
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
 def cpu_peak_of(run: callable) -> tuple[int, list[tuple[int, int]]]:
     """Peak live tensor bytes while ``run()`` executes, from PyTorch's profiler, and the
     (time, live bytes) series."""
     from torch.profiler import ProfilerActivity, profile
 
     with (
-        _quiet_native_stderr(),
+        quiet_native_stderr(),
         profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof,
     ):
         run()

@@ -36,12 +36,14 @@ attention for every such call of flan-t5 (``torch._fused_sdp_choice``).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from vramplan.native_stderr import quiet_native_stderr
 from vramplan.trace.patching import patched
 
 aten = torch.ops.aten
@@ -214,8 +216,39 @@ def _run(backend, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa, n
             q, k, v, bias, needs_grad, dropout_p, is_causal, scale=scale
         )[0]
     return aten._scaled_dot_product_attention_math(
-        q, k, v, attn_mask, dropout_p, is_causal, None, scale=scale, enable_gqa=enable_gqa
+        q,
+        k,
+        v,
+        attn_mask,
+        dropout_p,
+        is_causal,
+        _dropout_mask(q, k, dropout_p),
+        scale=scale,
+        enable_gqa=enable_gqa,
     )[0]
+
+
+@functools.cache
+def _quiet_testing_warning() -> None:
+    """The math kernel's ``dropout_mask`` path logs "Dropout mask should only be used for
+    testing purposes" once per process, from C++: spend that once on a tiny call, quietly."""
+    one = torch.zeros(1, 1, 2, 8)
+    with quiet_native_stderr():
+        aten._scaled_dot_product_attention_math(
+            one, one, one, None, 0.5, False, torch.ones(1, 1, 2, 2, dtype=torch.bool)
+        )
+
+
+def _dropout_mask(q: torch.Tensor, k: torch.Tensor, dropout_p: float) -> torch.Tensor | None:
+    """The math kernel's dropout as CUDA runs it. Its ``at::dropout`` on a CUDA tensor is
+    ``native_dropout``, which keeps a 1-byte mask of the (B, H, L, S) probabilities; on the
+    CPU it would keep a noise tensor of their dtype (fp32: 4 bytes each). Handing the
+    kernel a bool mask (its ``dropout_mask`` argument) keeps what CUDA keeps: the mask and
+    the dropped probabilities."""
+    if dropout_p <= 0.0:
+        return None
+    _quiet_testing_warning()
+    return torch.empty(*q.shape[:-1], k.size(-2), dtype=torch.bool)
 
 
 def cuda_sdpa(
