@@ -31,6 +31,7 @@ DETECTION = f"-b 2 {BUSY}"
 SEG = "-o momentum --input-shape"
 TV, SD15, T5 = "torchvision:", "diffusers:sd15-unet", "hf:google/flan-t5-base"
 QWEN, SMOL = "hf:Qwen/Qwen2.5-0.5B", "hf:HuggingFaceTB/SmolLM2-360M"
+MISTRAL = "hf:mistralai/Mistral-7B-v0.1"
 TINYLLAMA, CKPT = "hf:TinyLlama/TinyLlama-1.1B-Chat-v1.0", "--checkpointing full"
 TASK_ROWS = (
     _row(
@@ -76,11 +77,36 @@ TASK_ROWS = (
     _row("vit-b16-ampbf16-b64", f"{TV}vit_b_16", "-b 64 -p amp-bf16 -o adamw"),
     _row("maskrcnn-infer-b8", f"{TV}maskrcnn_resnet50_fpn", "-b 8 --mode infer"),
     _row("sd15-unet-ckpt-b8-ampfp16", SD15, f"-b 8 -p amp-fp16 -o adamw {CKPT}"),
+    _row("mistral7b-lora-ckpt-bf16-b2-s2048", MISTRAL, f"-b 2 -s 2048 -p bf16 --lora 16 {CKPT}"),
+    _row("llama32-1b-bf16-b4-s2048", "hf:meta-llama/Llama-3.2-1B", "-b 4 -s 2048 -p bf16"),
+    _row("gemma2-2b-lora-bf16-b4-s1024", "hf:google/gemma-2-2b", "-b 4 -s 1024 -p bf16 --lora 16"),
+    _row(
+        "qwen15-moe-bf16-infer-b1-s1024",
+        "hf:Qwen/Qwen1.5-MoE-A2.7B",
+        "-s 1024 -p bf16 --mode infer",
+    ),
+    _row("deberta-v3-base-fp32-b16-s512", "hf:microsoft/deberta-v3-base", "-b 16 -s 512"),
+    _row(
+        "opt350m-fp16-infer-b4-s2048", "hf:facebook/opt-350m", "-b 4 -s 2048 -p fp16 --mode infer"
+    ),
+    _row(
+        "phi2-lora-ckpt-bf16-b4-s2048",
+        "hf:microsoft/phi-2",
+        f"-b 4 -s 2048 -p bf16 --lora 16 {CKPT}",
+    ),
+    _row("qwen3-06b-bf16-b8-s1024", "hf:Qwen/Qwen3-0.6B", "-b 8 -s 1024 -p bf16"),
+    _row("dinov2-base-ampbf16-b32", "hf:facebook/dinov2-base", "-b 32 -p amp-bf16"),
+    _row("convnext-tiny-ampbf16-b64", "timm:convnext_tiny", "-b 64 -p amp-bf16"),
+    _row("swin-tiny-ampbf16-b64", "timm:swin_tiny_patch4_window7_224", "-b 64 -p amp-bf16"),
+    _row("efficientnet-b0-fp32-b64", "timm:efficientnet_b0", "-b 64"),
+    _row("roberta-base-ampfp16-b32-s256", "hf:FacebookAI/roberta-base", "-b 32 -s 256 -p amp-fp16"),
+    _row("bloom560m-ampfp16-b8-s512", "hf:bigscience/bloom-560m", "-b 8 -s 512 -p amp-fp16"),
 )
-"""Run on the H200 on 2026-11-27 (issues 15 and 17) in three batches: up to
-``sd15-unet-b2-frozen-ampfp16``, the rest, then the offload and optimizer-in-backward rows
-again once ``measure`` ran those tricks for real; diffusers rides along in ``carry`` where
-the card's image lacks it."""
+"""Run on the H200 on 2026-11-27 (issues 15 and 17) in four batches: up to
+``sd15-unet-b2-frozen-ampfp16``; up to ``sd15-unet-ckpt-b8-ampfp16`` (less the offload and
+optimizer-in-backward rows); those two again once ``measure`` ran the tricks for real, with
+their fp32 pair and offload with checkpointing; the models from ``mistral7b-...`` on.
+diffusers rides along in ``carry`` where the card's image lacks it."""
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -89,9 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=4)
     parser.add_argument("--budget-s", type=float, default=400)
     parser.add_argument("--only", help="comma-separated row names (default: all)")
+    parser.add_argument("--start", help="the first row to run (default: the first)")
     options = parser.parse_args(argv)
     wanted = set(options.only.split(",")) if options.only else None
-    rows = tuple(row for row in TASK_ROWS if wanted is None or row.name in wanted)
+    names = [row.name for row in TASK_ROWS]
+    first = names.index(options.start) if options.start else 0
+    rows = tuple(row for row in TASK_ROWS[first:] if wanted is None or row.name in wanted)
     summary = measure_rows(options.out, options.jobs, options.budget_s, rows)
     options.out.mkdir(parents=True, exist_ok=True)
     (options.out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")

@@ -26,6 +26,7 @@ from vramplan.sources.generation import Generator, ImagePrompt, generator_for
 from vramplan.sources.hf_attention import NOTES, REGISTERED, attention_name, check_attention
 from vramplan.sources.hf_attention import register as register_attention
 from vramplan.sources.hf_inputs import (
+    EMBEDDING_NOTE,
     ENCODER_DECODER,
     example_inputs,
     image_shape,
@@ -223,6 +224,8 @@ def wrap_hf_model(model: nn.Module, recipe: Recipe, built_name: str) -> BuiltMod
     def run(module: nn.Module, batch: Batch, training: bool):
         checks = contextlib.nullcontext() if inputs.value_checks else value_checks_off()
         with checks, one_sequence_per_row():
+            if training and kind == "embedding":
+                return in_batch_contrastive(module(**batch))
             if training:
                 return module(**batch, **inputs.loss_kwargs).loss
             keep_labels = kind in ENCODER_DECODER  # the decoder reads them
@@ -256,9 +259,29 @@ def wrap_hf_model(model: nn.Module, recipe: Recipe, built_name: str) -> BuiltMod
         else None,
         blocks=len(checkpoint_layers(model)) if model.supports_gradient_checkpointing else 0,
         sequence=inputs.sequence,
-        notes=inputs.notes + _notes(config, recipe, inputs.shape),
+        notes=inputs.notes
+        + ([EMBEDDING_NOTE.format(arch=type(model).__name__)] if kind == "embedding" else [])
+        + _notes(config, recipe, inputs.shape),
         generator=_generator(model, kind, recipe),
     )
+
+
+def in_batch_contrastive(output) -> torch.Tensor:
+    """sentence-transformers' MultipleNegativesRankingLoss on one pass: the pooled
+    embeddings (the pooler's output, else the mean over tokens), their (batch, batch)
+    similarity scores, and cross-entropy against each sample's own column.
+
+    >>> from types import SimpleNamespace
+    >>> out = SimpleNamespace(pooler_output=None, last_hidden_state=torch.zeros(4, 3, 8))
+    >>> in_batch_contrastive(out).shape
+    torch.Size([])
+    """
+    pooled = getattr(output, "pooler_output", None)
+    if pooled is None:
+        pooled = output.last_hidden_state.mean(dim=1)
+    scores = pooled @ pooled.transpose(0, 1)
+    labels = torch.arange(scores.size(0), device=scores.device)
+    return torch.nn.functional.cross_entropy(scores.float(), labels)
 
 
 def _generator(model: nn.Module, kind: str, recipe: Recipe) -> Generator | None:

@@ -116,6 +116,8 @@ def model_kind(model: nn.Module) -> str:
         return "sequence-classification"
     if hasattr(model, "get_text_features") and hasattr(model, "get_image_features"):
         return "contrastive"
+    if arch.endswith("Model") and not getattr(config, "is_encoder_decoder", False):
+        return "embedding"
     raise UserError(f"hf model architecture {arch} is not supported yet")
 
 
@@ -188,7 +190,36 @@ def example_inputs(model: nn.Module, kind: str, recipe: Recipe, label: str) -> E
         return _contrastive(config, recipe, label)
     if kind == "vision-language":
         return _vision_language(config, recipe, label)
+    if kind == "embedding":
+        return _embedding(config, recipe, label)
     return _text(config, kind, recipe, label)
+
+
+EMBEDDING_NOTE = (
+    "a bare encoder ({arch}): trained on its pooled embeddings with an in-batch contrastive "
+    "loss, as sentence-transformers' MultipleNegativesRankingLoss (one pass per step; a "
+    "batch of pairs runs the encoder on each side)"
+)
+
+
+def _embedding(config, recipe: Recipe, label: str) -> ExampleInputs:
+    """A bare encoder (``BertModel``, ``Dinov2Model``): images where the config has an
+    image size, else tokens; no labels (the loss pairs each sample with itself)."""
+    if hasattr(config, "image_size") and hasattr(config, "num_channels"):
+        shape = image_shape(config, recipe)
+
+        def make_images(batch_size: int, dtype: torch.dtype) -> Batch:
+            return {"pixel_values": torch.randn(batch_size, *shape, dtype=dtype)}
+
+        notes = [] if recipe.input_shape else [f"{_image_note(shape)} (--input-shape)"]
+        return ExampleInputs(shape, make_images, sequence=False, notes=notes)
+    seq_len = text_length(config, recipe, label)
+    vocab = config.vocab_size
+
+    def make_tokens(batch_size: int, dtype: torch.dtype) -> Batch:
+        return {"input_ids": torch.randint(0, vocab, (batch_size, seq_len))}
+
+    return ExampleInputs((seq_len,), make_tokens, sequence=True)
 
 
 def _image_classification(config, recipe: Recipe) -> ExampleInputs:
