@@ -40,6 +40,7 @@ from vramplan.sources.hf_moe import experts_name, is_moe, moe_note
 from vramplan.sources.hf_moe import register as register_experts
 from vramplan.sources.hf_moe_linear import use_linear_experts
 from vramplan.sources.hub import parse_hub_id
+from vramplan.trace.patching import patched
 
 
 def _transformers():
@@ -182,6 +183,20 @@ def _local_model(
     return model
 
 
+def unscripted() -> contextlib.AbstractContextManager:
+    """``@torch.jit.script`` leaves functions as Python while a modeling module is first
+    imported: TorchScript runs no fake tensors, and transformers before 5.2x scripted
+    DeBERTa-v2's relative-position helpers (``make_log_bucket_position``), so tracing
+    failed "in the TorchScript interpreter". The functions compute the same in Python.
+
+    >>> with unscripted():
+    ...     f = torch.jit.script(lambda x: x + 1)
+    >>> f(1)
+    2
+    """
+    return patched([(torch.jit, "script", lambda obj, *args, **kwargs: obj)])
+
+
 def build_hf(
     name: str, recipe: Recipe, device: str = "meta", trust_remote_code: bool = False
 ) -> BuiltModel:
@@ -194,10 +209,11 @@ def build_hf(
         and isinstance(data.get("auto_map"), dict)
         and data.get("model_type") not in transformers.CONFIG_MAPPING
     )
-    if remote:
-        model = _remote_model(transformers, label, data, device)
-    else:
-        model = _local_model(transformers, label, data, device, recipe)
+    with unscripted():  # the modeling module is imported here, on first use
+        if remote:
+            model = _remote_model(transformers, label, data, device)
+        else:
+            model = _local_model(transformers, label, data, device, recipe)
     # Hub configs carry the checkpoint's dtype (``torch_dtype: bfloat16``), which
     # transformers builds in; the recipe's precision decides, from fp32 weights.
     return wrap_hf_model(model.float(), recipe, f"hf:{label}")
