@@ -24,7 +24,7 @@ from benchmarks.gpu_harvest.conv_shapes import (
     shape_key,
     unique_configs,
 )
-from benchmarks.gpu_harvest.conv_workspace import conv_call, make_tensors, plan_cases
+from benchmarks.gpu_harvest.conv_workspace import DTYPES, conv_call, make_tensors, plan_cases
 from benchmarks.gpu_harvest.floor import floor_figures
 from benchmarks.gpu_harvest.measured_format import (
     SCHEMA,
@@ -532,3 +532,68 @@ def test_every_device_row_parses_as_measure_and_matches_its_committed_h200_run()
                 recipe.checkpointing,
             ), row.name
             assert params["lora"] == recipe.lora_rank, row.name
+
+
+# --- 3-d convolutions and the task rows' own configurations --------------------------------
+
+VIDEO_STEM = {  # torchvision's r3d_18 stem on a clip of 4 frames
+    "input": [2, 3, 4, 16, 16],
+    "weight": [8, 3, 3, 7, 7],
+    "stride": [1, 2, 2],
+    "padding": [1, 3, 3],
+    "dilation": [1, 1, 1],
+    "groups": 1,
+}
+
+
+def test_3d_pass_shapes_on_cpu():
+    x, weight, grad = make_tensors(VIDEO_STEM, torch.float32, "contiguous", "cpu")
+    assert output_shape(VIDEO_STEM) == [2, 8, 4, 8, 8]
+    out = conv_call("forward", x, weight, grad, VIDEO_STEM)()
+    assert torch.allclose(out, torch.nn.functional.conv3d(x, weight, None, (1, 2, 2), (1, 3, 3)))
+    grad_input, _, _ = conv_call("backward_data", x, weight, grad, VIDEO_STEM)()
+    _, grad_weight, _ = conv_call("backward_filter", x, weight, grad, VIDEO_STEM)()
+    assert grad_input.shape == x.shape and grad_weight.shape == weight.shape
+
+
+def test_3d_records_validate_and_a_mixed_one_is_refused(tmp_path):
+    record = _conv_record(**VIDEO_STEM)
+    data = _measured(conv_workspaces=[record])
+    assert load_measured(write_measured(data, tmp_path)) == data
+    mixed = _measured(conv_workspaces=[{**record, "stride": [2, 2]}])
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps(mixed))
+    with pytest.raises(ValueError, match="input should be 4 integers"):
+        load_measured(path)
+
+
+def test_a_later_harvest_keeps_the_records_it_did_not_rerun():
+    from benchmarks.gpu_harvest.measured_format import merged
+
+    old = _measured()
+    new = _measured(conv_workspaces=[_conv_record(**VIDEO_STEM)])
+    kept = merged(old, new)["conv_workspaces"]
+    assert len(kept) == len(old["conv_workspaces"]) + 1 and kept[-1]["input"] == [2, 3, 4, 16, 16]
+
+
+def test_task_convs_are_the_traced_calls_of_the_task_rows():
+    """The committed configurations hold torchvision's R3D-18 stem at the row's clip
+    (8 x 3 x 16 x 112 x 112) and DeepLabV3's dilated 3x3 convolutions, each valid for the
+    harvest (2-d or 3-d, the lengths matching) and named by the rows that run it."""
+    from benchmarks.gpu_harvest.task_convs import load_task_configs
+    from benchmarks.gpu_harvest.task_rows import TASK_ROWS
+
+    configs = load_task_configs()
+    names = {row.name for row in TASK_ROWS}
+    stem = [c for c in configs if c["weight"] == [64, 3, 3, 7, 7]]
+    assert (
+        stem and stem[0]["input"] == [8, 3, 16, 112, 112] and stem[0]["models"] == ["r3d18-b8-f16"]
+    )
+    dilated = [
+        c for c in configs if "deeplabv3-r50-b4-512" in c["models"] and c["dilation"] != [1, 1]
+    ]
+    assert dilated and all(c["weight"][2:] == [3, 3] for c in dilated)
+    for config in configs:
+        spatial = len(config["stride"])
+        assert spatial in (2, 3) and len(config["input"]) == len(config["weight"]) == spatial + 2
+        assert set(config["models"]) <= names and config["dtype"] in DTYPES

@@ -46,6 +46,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--jobs", type=int, default=4, help="the study's fresh processes at once (default 4)"
     )
     parser.add_argument("--skip-rows", action="store_true", help="no fresh measure rows")
+    parser.add_argument(
+        "--task-convs-only",
+        action="store_true",
+        help="convolutions: only the task rows' (task_convs.json), merged into the card's "
+        "bundled table where there is one",
+    )
     return parser.parse_args(argv)
 
 
@@ -118,10 +124,14 @@ def _conv(harvest: Harvest) -> dict:
     from benchmarks.gpu_harvest.child import run_child
     from benchmarks.gpu_harvest.conv_shapes import study_configs, workload_configs
     from benchmarks.gpu_harvest.conv_workspace import plan_cases
+    from benchmarks.gpu_harvest.task_convs import load_task_configs
 
-    quick = harvest.options.quick
-    plan = plan_cases(study_configs(batches=(32,) if quick else (32, 128)), dtypes=("float32",))
-    if not quick:
+    quick, only_tasks = harvest.options.quick, harvest.options.task_convs_only
+    plan = []
+    if not only_tasks:
+        batches = (32,) if quick else (32, 128)
+        plan += plan_cases(study_configs(batches=batches), dtypes=("float32",))
+    if not (quick or only_tasks):
         plan += plan_cases(study_configs(batches=(32, 128)), dtypes=("bfloat16",))
         plan += plan_cases(workload_configs(), dtypes=("float32",))
         # the published rows' middle batch last (the budget cuts it first): an interpolated
@@ -129,6 +139,11 @@ def _conv(harvest: Harvest) -> dict:
         # bf16, for the amp-bf16 rows at batch 64
         plan += plan_cases(study_configs(batches=(64,)), dtypes=("float32",))
         plan += plan_cases(study_configs(batches=(64,)), dtypes=("bfloat16",))
+    # then the task rows' own calls (detection, segmentation, video, diffusion, timm), each
+    # in the dtype its trace ran it (task_convs.json)
+    if only_tasks or not quick:
+        for config in load_task_configs():
+            plan += plan_cases([config], dtypes=(config["dtype"],))
     budget = harvest.options.conv_budget_s or (45.0 if quick else 110.0)
     plan_path = harvest.folder / "conv_plan.json"
     plan_path.write_text(json.dumps(plan))
@@ -167,6 +182,9 @@ def run(options: argparse.Namespace) -> int:
     harvest.section("calibrate", study.run_calibrate(harvest.folder / "profile"))
     try:
         data = assemble.measured_from(harvest.data)
+        bundled = MEASURED / measured_format.file_name(data["gpu"], data["stack"])
+        if options.task_convs_only and bundled.exists():
+            data = measured_format.merged(json.loads(bundled.read_text()), data)
         path = measured_format.write_measured(data, options.measured_dir)
         harvest.section(
             "measured", {"path": str(path), "conv_records": len(data["conv_workspaces"])}

@@ -87,12 +87,16 @@ def unique_configs(configs: list[dict]) -> list[dict]:
 
 
 def output_shape(config: dict) -> list[int]:
-    """The convolution's output shape [N, K, P, Q]."""
-    n, _, h, w = config["input"]
-    k, _, r, s = config["weight"]
+    """The convolution's output shape [N, K, P, Q] (or [N, K, O, P, Q] in 3-d)."""
+    n, k = config["input"][0], config["weight"][0]
     sizes = []
     for size, kernel, stride, pad, dil in zip(
-        (h, w), (r, s), config["stride"], config["padding"], config["dilation"], strict=True
+        config["input"][2:],
+        config["weight"][2:],
+        config["stride"],
+        config["padding"],
+        config["dilation"],
+        strict=True,
     ):
         sizes.append((size + 2 * pad - dil * (kernel - 1) - 1) // stride + 1)
     return [n, k, *sizes]

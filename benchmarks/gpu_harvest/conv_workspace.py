@@ -67,12 +67,15 @@ def make_tensors(config: dict, dtype, memory_format: str, device: str = "cuda"):
 def conv_call(pass_name: str, x, weight, grad_output, config: dict):
     """A zero-argument callable running one pass of the convolution."""
     args = (config["stride"], config["padding"], config["dilation"])
+    zeros = [0] * len(config["stride"])  # output padding; 2-d and 3-d alike
     if pass_name == "forward":
-        return lambda: torch.nn.functional.conv2d(x, weight, None, *args, config["groups"])
+        return lambda: torch.ops.aten.convolution(
+            x, weight, None, *args, False, zeros, config["groups"]
+        )
     mask = {"backward_data": [True, False, False], "backward_filter": [False, True, False]}
     output_mask = mask[pass_name]
     return lambda: torch.ops.aten.convolution_backward(
-        grad_output, x, weight, None, *args, False, [0, 0], config["groups"], output_mask
+        grad_output, x, weight, None, *args, False, zeros, config["groups"], output_mask
     )
 
 

@@ -76,7 +76,8 @@ _CONV = {
     "reserved_growth_bytes": int,
     "cache_emptied": bool,
 }
-_SHAPE_LENGTH = {"input": 4, "weight": 4, "stride": 2, "padding": 2, "dilation": 2}
+_SHAPE_LENGTH = {"input": 2, "weight": 2, "stride": 0, "padding": 0, "dilation": 0}
+"""Each shape's length past the spatial dimensions (2 for Conv2d, 3 for Conv3d)."""
 
 
 def slug(text: str) -> str:
@@ -180,10 +181,11 @@ def _problem(data) -> str | None:
                 return f"{where}.{key} should be a {kind.__name__}"
         if record["pass"] not in PASSES:
             return f"{where}.pass is {record['pass']!r}, expected one of {', '.join(PASSES)}"
-        for key, length in _SHAPE_LENGTH.items():
-            value = record[key]
-            if len(value) != length or not all(_is(v, int) for v in value):
-                return f"{where}.{key} should be {length} integers"
+        spatial = len(record["stride"])
+        for key, extra in _SHAPE_LENGTH.items():
+            value, length = record[key], spatial + extra
+            if spatial not in (2, 3) or len(value) != length or not all(_is(v, int) for v in value):
+                return f"{where}.{key} should be {length} integers (2-d or 3-d convolutions)"
         if record["workspace_bytes"] < 0:
             return f"{where}.workspace_bytes is negative"
         if not _bytes_or_none(record.get("cached_workspace_bytes")):
@@ -209,6 +211,23 @@ def load_measured(path: str | Path) -> dict:
     except json.JSONDecodeError as exc:
         raise ValueError(f"{file}: not JSON ({exc.msg} at line {exc.lineno})") from None
     return validate(data, str(file))
+
+
+def merged(base: dict, new: dict) -> dict:
+    """``new`` (a later harvest of the same card and stack), keeping the convolution
+    records of ``base`` that it did not re-run.
+
+    >>> old = {"conv_workspaces": [{"pass": "forward", "dtype": "float32",
+    ...     "memory_format": "contiguous", "input": [1, 1, 4, 4], "weight": [1, 1, 3, 3],
+    ...     "stride": [1, 1], "padding": [0, 0], "dilation": [1, 1], "groups": 1,
+    ...     "benchmark": False, "workspace_bytes": 7}]}
+    >>> again = {"conv_workspaces": [{**old["conv_workspaces"][0], "workspace_bytes": 9}]}
+    >>> [r["workspace_bytes"] for r in merged(old, again)["conv_workspaces"]]
+    [9]
+    """
+    records = {conv_key(r): r for r in base.get("conv_workspaces", [])}
+    records.update({conv_key(r): r for r in new.get("conv_workspaces", [])})
+    return {**new, "conv_workspaces": list(records.values())}
 
 
 def write_measured(data: dict, folder: str | Path) -> Path:

@@ -124,8 +124,6 @@ def recipe_from_options(options: dict) -> Recipe:
     knobs = {name: options[name] for name in RECIPE_OPTIONS}
     if "optimizer_impl" in options:
         knobs["optimizer_impl"] = options["optimizer_impl"]
-    if "optimizer_impl" in options:
-        knobs["optimizer_impl"] = options["optimizer_impl"]
     if "zero_grad" in options:
         knobs["zero_grad"] = options["zero_grad"]
     model_inputs = {name: options[name] for name in MODEL_INPUT_OPTIONS if name in options}
