@@ -194,6 +194,20 @@ def test_linear_experts_refuse_other_families(tmp_path):
         resolve(_config(tmp_path, QWEN2_MOE), Recipe(experts="linear"))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "amp-bf16"])
+def test_fp32_grouped_experts_are_refused_in_one_line_naming_what_runs(
+    tmp_path, run_cli, precision
+):
+    """PyTorch's grouped matmul takes bf16/fp16 only (``_meta_grouped_mm_common`` mirrors
+    ``_grouped_mm_cuda``) and has no autocast rule (transformers#43828), so fp32 weights
+    fail with or without autocast; the line says what runs: bf16 or the eager experts."""
+    spec = _config(tmp_path, MIXTRAL)
+    code, out, err = run_cli("estimate", spec, "-s", "16", "-p", precision)
+    assert code == 2 and out == "" and len(err.splitlines()) == 1
+    assert "--precision bf16" in err and "--experts eager" in err and "autocast" in err
+    assert run_cli("estimate", spec, "-s", "16", "-p", precision, "--experts", "eager")[0] == 0
+
+
 def test_fp16_grouped_experts_are_refused_in_one_line_naming_what_runs(tmp_path, run_cli):
     """PyTorch runs fp16 ``grouped_mm`` only through cuBLASLt's grouped GEMM (CUDA 13.3+ on
     sm90-sm11x; ``_meta_registrations``), so an fp16 step of transformers' default experts

@@ -58,6 +58,13 @@ def explain_failure(
             "fp16 step fails on other stacks too; use --precision bf16 or amp-bf16, or "
             "--experts eager where the experts allow it"
         )
+    if "Expected mat_a to be BFloat16 or supported Float16 matrix" in str(exc):
+        return UserError(
+            f"model {model_name} failed on the example batch: {_first_line(exc)} PyTorch's "
+            "grouped matmul (transformers' default mixture-of-experts kernel) takes bf16 or "
+            "fp16 only, and autocast does not cast for it, so a real fp32 or amp step fails "
+            "too; use --precision bf16, or --experts eager"
+        )
     if "FSDP expects uniform original parameter dtype" in str(exc):
         return UserError(
             f"model {model_name} failed on the example batch: {_first_line(exc)}: FSDP2 "
