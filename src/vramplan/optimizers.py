@@ -16,7 +16,7 @@ from vramplan.recipe import TORCH_OPTIMIZERS
 
 # Hyper-parameters only change which temporaries a step makes, not the state it keeps;
 # these are the common training defaults (weight decay on, as most recipes use).
-_LR = 1e-3
+DEFAULT_LR = 1e-3
 
 
 class Lion(torch.optim.Optimizer):
@@ -75,7 +75,7 @@ class Adam8bitModel(torch.optim.Optimizer):
     def __init__(
         self,
         params: Iterable[nn.Parameter],
-        lr: float = _LR,
+        lr: float = DEFAULT_LR,
         bits: int = 8,
         paged: bool = False,
     ) -> None:
@@ -220,7 +220,11 @@ def implementation_note(name: str, impl: str, defaults: dict) -> str | None:
 
 
 def build_optimizer(
-    name: str, params: list[nn.Parameter], defaults: dict, impl: str = "auto", lr: float = _LR
+    name: str,
+    params: list[nn.Parameter],
+    defaults: dict,
+    impl: str = "auto",
+    lr: float = DEFAULT_LR,
 ) -> torch.optim.Optimizer | None:
     """The optimizer for ``name`` over ``params``; ``defaults`` carries device policy flags
     and ``impl`` the user's implementation choice (``Recipe.optimizer_impl``). The learning

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from vramplan.optimizers import build_optimizer
+from vramplan.optimizers import DEFAULT_LR, build_optimizer
 from vramplan.trace.recorder import AllocationRecorder
 
 MIN_OFFLOAD_BYTES = 1024
@@ -38,7 +38,7 @@ FORWARD_STASH = 5
 
 
 def step_in_backward(
-    params: list[nn.Parameter], name: str, defaults: dict, **lr: float
+    params: list[nn.Parameter], name: str, defaults: dict, lr: float = DEFAULT_LR
 ) -> list[torch.optim.Optimizer]:
     """An optimizer per trainable parameter, stepped (and its gradient freed) from the
     parameter's post-accumulate-grad hook; returns the optimizers (``lr=0.0`` for a
@@ -47,7 +47,7 @@ def step_in_backward(
     for param in params:
         if not param.requires_grad:
             continue
-        optimizer = build_optimizer(name, [param], defaults, **lr)
+        optimizer = build_optimizer(name, [param], defaults, lr=lr)
         if optimizer is None:
             continue
 
