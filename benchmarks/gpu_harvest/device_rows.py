@@ -44,24 +44,25 @@ LANGUAGE = ("-b", "8", "--seq-len", "512", "-o", "adamw")
 TINYLLAMA = "TinyLlama/TinyLlama-1.1B-Chat-v1.0"
 
 
-def _recipe(name: str, model: str, args: str) -> DeviceRow:
+def row_of(name: str, model: str, args: str) -> DeviceRow:
+    """A row from its measure arguments as one string."""
     return DeviceRow(name, model, tuple(args.split()))
 
 
 AMP, CKPT = "--precision amp-bf16", "--checkpointing full"
 RECIPES = (
-    _recipe("vgg16-b32-ampbf16", "torchvision:vgg16", f"-b 32 -o adam {AMP}"),
-    _recipe("resnet50-b64-ampbf16", "torchvision:resnet50", f"-b 64 -o adam {AMP}"),
-    _recipe("resnet50-b64-ckpt", "torchvision:resnet50", f"-b 64 -o adam {CKPT}"),
-    _recipe("mobilenet_v2-b128-ampbf16", "torchvision:mobilenet_v2", f"-b 128 -o adam {AMP}"),
-    _recipe("resnet18-b256-ampbf16", "torchvision:resnet18", f"-b 256 -o sgd {AMP}"),
-    _recipe("bert-base-b16-ampbf16", "hf:bert-base-uncased", f"-b 16 --seq-len 512 -o adamw {AMP}"),
-    _recipe("gpt2-b8-ckpt-ampbf16", "hf:gpt2", f"-b 8 --seq-len 512 -o adamw {AMP} {CKPT}"),
-    _recipe("gpt2-b4-s1024-sgd", "hf:gpt2", "-b 4 --seq-len 1024 -o sgd"),
-    _recipe(
+    row_of("vgg16-b32-ampbf16", "torchvision:vgg16", f"-b 32 -o adam {AMP}"),
+    row_of("resnet50-b64-ampbf16", "torchvision:resnet50", f"-b 64 -o adam {AMP}"),
+    row_of("resnet50-b64-ckpt", "torchvision:resnet50", f"-b 64 -o adam {CKPT}"),
+    row_of("mobilenet_v2-b128-ampbf16", "torchvision:mobilenet_v2", f"-b 128 -o adam {AMP}"),
+    row_of("resnet18-b256-ampbf16", "torchvision:resnet18", f"-b 256 -o sgd {AMP}"),
+    row_of("bert-base-b16-ampbf16", "hf:bert-base-uncased", f"-b 16 --seq-len 512 -o adamw {AMP}"),
+    row_of("gpt2-b8-ckpt-ampbf16", "hf:gpt2", f"-b 8 --seq-len 512 -o adamw {AMP} {CKPT}"),
+    row_of("gpt2-b4-s1024-sgd", "hf:gpt2", "-b 4 --seq-len 1024 -o sgd"),
+    row_of(
         "tinyllama-lora-bf16", TINYLLAMA, "-b 8 --seq-len 512 -o adamw --precision bf16 --lora 16"
     ),
-    _recipe(
+    row_of(
         "tinyllama-bf16-ckpt-b8-s1024",
         TINYLLAMA,
         f"-b 8 --seq-len 1024 -o adamw --precision bf16 {CKPT}",

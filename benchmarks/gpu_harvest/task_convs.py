@@ -38,25 +38,20 @@ def config_of(case) -> dict:
     }
 
 
-SHORT = {"-b": "batch_size", "-s": "seq_len", "-p": "precision", "-o": "optimizer"}
+def recipe_of(model: str, args: tuple[str, ...]):
+    """The Recipe ``vramplan measure MODEL ARGS`` runs, parsed by the command itself.
 
-
-def recipe_of(args: tuple[str, ...]):
-    """The Recipe of a row's ``measure`` arguments (flags with one value each).
-
-    >>> recipe_of(("-b", "4", "--input-shape", "3x64x64", "-o", "momentum")).input_shape
-    (3, 64, 64)
+    >>> recipe_of("torchvision:r3d_18", ("-b", "4", "--frames", "8", "-o", "sgd")).frames
+    8
     """
-    from vramplan.recipe import Recipe
+    import typer
 
-    knobs = {}
-    for flag, value in zip(args[::2], args[1::2], strict=True):
-        name = SHORT.get(flag) or flag.removeprefix("--").replace("-", "_")
-        if name == "input_shape":
-            knobs[name] = tuple(int(d) for d in value.split("x"))
-        else:
-            knobs[name] = int(value) if value.isdigit() else value
-    return Recipe(**knobs)
+    from vramplan.cli import _register_commands, app
+    from vramplan.cli.options import recipe_from_options
+
+    _register_commands()
+    measure = typer.main.get_command(app).commands["measure"]
+    return recipe_from_options(measure.make_context("measure", [model, *args]).params)
 
 
 def traced_configs(model: str, args: tuple[str, ...]) -> list[dict]:
@@ -67,7 +62,7 @@ def traced_configs(model: str, args: tuple[str, ...]) -> list[dict]:
     from vramplan.pipeline import cuda_policy, traced
     from vramplan.sources import resolve
 
-    recipe = recipe_of(args)
+    recipe = recipe_of(model, args)
     device = device_options(gpu="h200")
     trace = traced(resolve(model, recipe), recipe, cuda_policy(device))
     found = {}
