@@ -360,7 +360,7 @@ class Session:
                 trust_remote_code=self.trust_remote_code,
                 allow_custom_objects=self.allow_custom_objects,
             )
-        built.repeat_blocks = not self.full_trace
+        built.repeat_blocks = built.copy_iteration = not self.full_trace
         if recipe.seq_len is not None and not built.sequence:
             shape = "x".join(map(str, built.default_input_shape)) or "a fixed shape"
             raise UserError(

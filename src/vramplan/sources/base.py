@@ -44,6 +44,9 @@ class BuiltModel:
     repeat_blocks: bool = True
     """Trace a run of identical blocks once and repeat it (``trace/repeat.py``) where that
     is exact; False traces every block (``--full-trace``)."""
+    copy_iteration: bool = True
+    """Write the second training iteration's passes from the first's where that is exact
+    (``trace/copied_iteration.py``); False traces both (``--full-trace``)."""
     blocks: int = 0
     """Repeated blocks ``enable_checkpointing`` can recompute (0: none)."""
     sequence: bool = False

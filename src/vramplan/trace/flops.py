@@ -48,6 +48,10 @@ class TotalFlops(TorchDispatchMode):
     def get_total_flops(self) -> int:
         return self.total
 
+    def add(self, flops: int) -> None:
+        """Count ``flops`` of ops not run under it (``copied_iteration.py``'s copied passes)."""
+        self.total += flops
+
 
 class FlopCountingPolicy(CudaPolicy):
     """The CUDA policy plus a FLOP counter over the whole traced run (``counter``)."""

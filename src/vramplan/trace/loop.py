@@ -52,20 +52,25 @@ def run_steps(
     iterations: int = ITERATIONS,
     after_optimizer: Callable[[], None] = lambda: None,
     set_to_none: bool = True,
+    skips_passes: Callable[[int], bool] = lambda iteration: False,
 ) -> None:
     """Run ``iterations`` steps: forward+loss, backward (per micro-step), optimizer step,
     ``zero_grad(set_to_none=...)`` (``False``: gradients zeroed in place and kept, as
     PyTorch before 2.0 did by default; after the first forward pass of the next step where
     ``built.zero_grad_after_forward``, as Keras does); inference runs forward under
-    ``no_grad`` only."""
+    ``no_grad`` only. An iteration whose ``skips_passes(iteration)`` is true runs no
+    forward or backward pass (the tracer writes them from the first iteration's:
+    ``trace/copied_iteration.py``), only its optimizer step."""
     for iteration in range(1, iterations + 1):
+        copied = skips_passes(iteration)
         if not recipe.is_training:
-            mark_phase(Phase.FORWARD, iteration)
-            with torch.no_grad(), autocast():
-                output = built.run(model, batch, False)
-            del output
+            if not copied:
+                mark_phase(Phase.FORWARD, iteration)
+                with torch.no_grad(), autocast():
+                    output = built.run(model, batch, False)
+                del output
             continue
-        for micro_step in range(micro_steps(recipe)):
+        for micro_step in range(0 if copied else micro_steps(recipe)):
             mark_phase(Phase.FORWARD, iteration)
             with autocast():
                 loss = built.run(model, batch, True)

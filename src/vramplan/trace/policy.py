@@ -38,6 +38,11 @@ class DevicePolicy(Protocol):
 
     def trace_notes(self) -> list[str]: ...
 
+    def kernel_calls(self) -> dict[str, int]:
+        """The per-kernel call counts ``trace_notes`` reports, live (a copied iteration,
+        ``copied_iteration.py``, adds its calls to them)."""
+        ...
+
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
@@ -70,6 +75,9 @@ class CpuPolicy:
 
         self._convolutions = {}
         return [CpuConvScratch(self._convolutions)]
+
+    def kernel_calls(self) -> dict[str, int]:
+        return self._convolutions
 
     def trace_notes(self) -> list[str]:
         kernels = sorted(k for k, n in self._convolutions.items() if n)
@@ -139,6 +147,9 @@ class CudaPolicy(CpuPolicy):
 
             modes.append(keeping_softmax_input())
         return modes + ([cuda_rules(self._caster_for(recipe))] if recipe.uses_autocast else [])
+
+    def kernel_calls(self) -> dict[str, int]:
+        return self._kernels
 
     def trace_notes(self) -> list[str]:
         calls = dict(self._kernels)

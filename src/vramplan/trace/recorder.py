@@ -51,6 +51,11 @@ class OpMarker:
     """``forward``, or the ``backward_data`` / ``backward_filter`` passes a backward runs."""
 
 
+_DEVICE_QUERY = torch.ops.prim.device.default
+"""``tensor.device`` on a fake tensor: a metadata query, dispatched like an op but run by
+no kernel, and asked as often as Python code happens to ask (not counted)."""
+
+
 def _shape(value) -> tuple[int, ...]:
     return tuple(int(v) for v in value.shape) if isinstance(value, torch.Tensor) else ()
 
@@ -230,6 +235,16 @@ class AllocationRecorder(TorchDispatchMode):
         weakref.finalize(storage, self._on_free, record)
         return record
 
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """Know ``tensor``'s storage without recording its birth or its death: a storage
+        whose events are written elsewhere (``copied_iteration.py``'s remade gradients).
+        Ops that return it in place then find it instead of recording it as new."""
+        storage = tensor.untyped_storage()
+        record = StorageRecord(-1, storage._cdata, storage.nbytes(), Phase.OPTIMIZER, 0, "", "", -1)
+        record.free_index = -1  # already settled: its free is not an event
+        self.live[record.key] = record
+        weakref.finalize(storage, self._on_free, record)
+
     def note_alloc(self, nbytes: int, op: str) -> StorageRecord:
         """Record a storage no tensor holds: a step the tracer models without running it
         (the cache growth of generation's decode steps); ``note_free`` ends it."""
@@ -287,7 +302,7 @@ class AllocationRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if self._paused:
+        if self._paused or func is _DEVICE_QUERY:
             return out
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
         phase_key = (self.current_phase()[0], name)

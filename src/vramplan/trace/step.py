@@ -32,6 +32,7 @@ from vramplan.result import Component, Phase
 from vramplan.sources.base import BuiltModel
 from vramplan.trace.categorize import categorize
 from vramplan.trace.compiled import compile_blocks, compile_note
+from vramplan.trace.copied_iteration import IterationCopy, copyable
 from vramplan.trace.errors import explain_failure
 from vramplan.trace.events import Trace
 from vramplan.trace.loop import ITERATIONS, MAX_MICRO_STEPS, frees_gradients, run_steps
@@ -295,6 +296,16 @@ def trace_training(
                 "zero_grad() zeroes the gradients in place (PyTorch before 2.0, or "
                 "--zero-grad zeros): they stay allocated through the next forward"
             )
+        copy = None
+        if built.copy_iteration and copyable(
+            recipe, policy, engine, optimizer, set_to_none, built.zero_grad_after_forward
+        ):
+            copy = IterationCopy(session.recorder, params, policy)
+
+        def mark(phase: Phase, iteration: int) -> None:
+            session.recorder.set_phase(phase, iteration)
+            session.modules.reset()
+
         run_steps(
             built,
             model,
@@ -303,11 +314,11 @@ def trace_training(
             recipe,
             set_to_none=set_to_none,
             autocast=_forward_context(policy, recipe, session, model),
-            mark_phase=lambda phase, iteration: (
-                session.recorder.set_phase(phase, iteration),
-                session.modules.reset(),
-            ),
+            mark_phase=copy.marking(mark) if copy else mark,
+            **({"after_optimizer": copy.stepped, "skips_passes": copy.skips} if copy else {}),
         )
+        if copy is not None:
+            copy.write()
     return session.finish()
 
 

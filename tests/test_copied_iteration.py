@@ -1,0 +1,156 @@
+"""The second iteration's passes copied from the first: the trace equals a traced second
+iteration, allocation for allocation, and a run that carries storage into the next
+iteration is traced in full."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from vramplan.recipe import Recipe
+from vramplan.sources import resolve
+from vramplan.sources.base import BuiltModel
+from vramplan.trace import copied_iteration
+from vramplan.trace.flops import FlopCountingPolicy
+from vramplan.trace.policy import CpuPolicy, CudaPolicy
+from vramplan.trace.step import trace_training
+
+LLAMA = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
+GPT2 = {
+    "model_type": "gpt2",
+    "architectures": ["GPT2LMHeadModel"],
+    "vocab_size": 512,
+    "n_positions": 64,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 2,
+}
+
+
+@pytest.fixture
+def copies(monkeypatch) -> list[bool]:
+    """Whether each traced run's second iteration was copied (``IterationCopy.skips``)."""
+    answers: list[bool] = []
+    skips = copied_iteration.IterationCopy.skips
+
+    def watched(self, iteration: int) -> bool:
+        copied = skips(self, iteration)
+        if iteration == 2:
+            answers.append(copied)
+        return copied
+
+    monkeypatch.setattr(copied_iteration.IterationCopy, "skips", watched)
+    return answers
+
+
+def _traced_and_copied(make_built, recipe: Recipe, policy_type=CudaPolicy):
+    """(trace, policy) with the second iteration traced, then with it copied."""
+    results = []
+    for copy in (False, True):
+        built = make_built()
+        built.copy_iteration = copy
+        policy = policy_type()
+        results.append((trace_training(built, recipe, policy), policy))
+    return results
+
+
+def _hf(tmp_path, config: dict, recipe: Recipe):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return lambda: resolve(f"hf:{path}", recipe)
+
+
+@pytest.mark.parametrize(
+    ("config", "knobs"),
+    [
+        (GPT2, {}),
+        (LLAMA, {"precision": "amp-bf16", "optimizer": "sgd", "grad_accum": 4}),
+        (LLAMA, {"checkpointing": "full", "activation_offload": True}),
+        (LLAMA, {"precision": "bf16", "optimizer": "adam8bit"}),
+        (LLAMA, {"optimizer": "adafactor", "lora_rank": 4}),
+        (LLAMA, {"mode": "infer"}),
+    ],
+)
+def test_copied_passes_equal_traced_ones(tmp_path, copies, config, knobs):
+    recipe = Recipe(batch_size=2, seq_len=32, **knobs)
+    (traced, _), (copied, _) = _traced_and_copied(_hf(tmp_path, config, recipe), recipe)
+    assert copies == [True]  # (the traced run offers no copy)
+    assert copied == traced  # every allocation, phase mark, op count, note and marker
+    assert {a.iteration for a in copied.allocations} >= {1, 2}
+
+
+def test_copied_passes_keep_flops_and_convolution_markers(copies):
+    recipe = Recipe(batch_size=2, input_shape=(3, 64, 64), optimizer="sgd")
+    resnet = lambda: resolve("torchvision:resnet18", recipe)  # noqa: E731
+    (traced, counted), (copied, recounted) = _traced_and_copied(resnet, recipe, FlopCountingPolicy)
+    assert copies == [True]  # (the traced run offers no copy)
+    assert copied == traced
+    assert len(copied.markers) > 40  # the second iteration's convolutions are there
+    assert recounted.counter.get_total_flops() == counted.counter.get_total_flops() > 0
+
+
+def test_cpu_kernel_notes_count_the_copied_passes(copies):
+    recipe = Recipe(batch_size=2, input_shape=(3, 32, 32), optimizer="sgd")
+    resnet = lambda: resolve("torchvision:resnet18", recipe)  # noqa: E731
+    (traced, _), (copied, policy) = _traced_and_copied(resnet, recipe, CpuPolicy)
+    assert copies == [True]  # (the traced run offers no copy)
+    assert copied == traced and policy.trace_notes() == list(traced.notes)
+
+
+class Remembering(nn.Module):
+    """Keeps its last output until the next forward pass: a storage of the first
+    iteration's passes that the second one frees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.last = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        self.last = y.detach()
+        return y
+
+
+def _remembering() -> BuiltModel:
+    with torch.device("meta"):
+        model = Remembering()
+    return BuiltModel(
+        "custom:remembering",
+        "Remembering",
+        "custom",
+        model,
+        make_batch=lambda n, dtype: torch.randn(n, 64, dtype=dtype),
+        run=lambda m, x, training: m(x).sum(),
+    )
+
+
+def test_storage_kept_into_the_next_iteration_is_traced(copies):
+    recipe = Recipe(batch_size=4, optimizer="adamw")
+    (traced, _), (copied, _) = _traced_and_copied(_remembering, recipe)
+    assert copies == [False]
+    assert copied == traced
+    # the kept output of iteration 1 dies in iteration 2's forward pass
+    kept = [a for a in traced.allocations if a.iteration == 1 and a.module == "fc"]
+    forward_2 = next(m.index for m in traced.phases if (m.phase, m.iteration) == ("forward", 2))
+    assert any(a.free_index is not None and a.free_index > forward_2 for a in kept)
+
+
+def test_gradients_kept_by_zero_grad_are_traced(copies):
+    recipe = Recipe(batch_size=4, optimizer="adamw", zero_grad="zeros")
+    (traced, _), (copied, _) = _traced_and_copied(_remembering, recipe)
+    assert copies == []  # never offered: zero_grad keeps the gradients by design
+    assert copied == traced
