@@ -82,6 +82,11 @@ def _hf(tmp_path, config: dict, recipe: Recipe):
         (LLAMA, {"precision": "bf16", "optimizer": "adam8bit"}),
         (LLAMA, {"optimizer": "adafactor", "lora_rank": 4}),
         (LLAMA, {"mode": "infer"}),
+        # the step in backward: the second steps put where the first ones stood
+        (LLAMA, {"optimizer_in_backward": True}),
+        (LLAMA, {"optimizer_in_backward": True, "optimizer": "momentum"}),
+        (LLAMA, {"optimizer_in_backward": True, "optimizer": "adam8bit", "checkpointing": "full"}),
+        (LLAMA, {"optimizer_in_backward": True, "activation_offload": True, "lora_rank": 4}),
     ],
 )
 def test_copied_passes_equal_traced_ones(tmp_path, copies, config, knobs):

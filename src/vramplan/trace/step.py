@@ -300,7 +300,8 @@ def trace_training(
         if built.copy_iteration and copyable(
             recipe, policy, engine, optimizer, set_to_none, built.zero_grad_after_forward
         ):
-            copy = IterationCopy(session.recorder, params, policy)
+            copy = IterationCopy(session.recorder, params, policy, recipe.optimizer_in_backward)
+            stack.enter_context(copy.watching_steps())
 
         def mark(phase: Phase, iteration: int) -> None:
             session.recorder.set_phase(phase, iteration)
