@@ -140,9 +140,10 @@ def estimate_command(
         bool,
         typer.Option(
             "--full-trace",
-            help="Trace every block instead of tracing a run of identical blocks once and "
-            "repeating it (the default for hf: and diffusers: models, where that rebuild is "
-            "exact).",
+            help="Trace every block and both training iterations, instead of tracing a run "
+            "of identical blocks once and repeating it (hf: and diffusers: models) and "
+            "copying the second iteration's passes from the first (the defaults, each used "
+            "only where it is exact).",
         ),
     ] = False,
     quiet: QuietOpt = False,
