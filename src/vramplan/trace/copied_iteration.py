@@ -89,18 +89,19 @@ class _Span:
     flops: int
 
 
+Gradient = tuple[torch.nn.Parameter, torch.Size, tuple, torch.dtype]
+"""A parameter and the size, strides and dtype of its gradient."""
+
+
 @dataclass
 class _Step:
     """One optimizer step run as a parameter's gradient arrived (the step in backward)."""
 
     optimizer: Any
-    gradient: tuple  # (parameter, size, stride, dtype) of the gradient it stepped on
+    gradient: Gradient | None  # the gradient it stepped on
     phase: Phase  # the phase its storages were recorded in (backward)
     start: _Span
     end: _Span | None = None
-
-
-Gradient = tuple[torch.nn.Parameter, torch.Size, tuple, torch.dtype]
 
 
 class IterationCopy:
@@ -166,9 +167,11 @@ class IterationCopy:
 
         def before(optimizer, *_args, **_kwargs) -> None:
             if self._steps is not None:
-                param = optimizer.param_groups[0]["params"][0]
+                gradient = self._gradient(optimizer.param_groups[0]["params"][0])
+                if gradient is None:
+                    self.reason = "an optimizer stepped in the passes without a gradient"
                 phase = self.recorder.current_phase()[0]
-                self._steps.append(_Step(optimizer, self._gradient(param), phase, self._span()))
+                self._steps.append(_Step(optimizer, gradient, phase, self._span()))
 
         def after(_optimizer, *_args, **_kwargs) -> None:
             if self._steps is not None:
@@ -183,6 +186,7 @@ class IterationCopy:
             post.remove()
 
     def _gradient(self, param: torch.nn.Parameter) -> Gradient | None:
+        """What remaking ``param``'s gradient takes (None: it has none)."""
         grad = param.grad
         if grad is None:
             return None
