@@ -8,6 +8,8 @@ import json
 
 import pytest
 import torch
+from conftest import PLAN_LLAMA as LLAMA
+from conftest import TINY_GPT2 as GPT2
 from torch import nn
 
 from vramplan.recipe import Recipe
@@ -17,27 +19,6 @@ from vramplan.trace import copied_iteration
 from vramplan.trace.flops import FlopCountingPolicy
 from vramplan.trace.policy import CpuPolicy, CudaPolicy
 from vramplan.trace.step import trace_training
-
-LLAMA = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-}
-GPT2 = {
-    "model_type": "gpt2",
-    "architectures": ["GPT2LMHeadModel"],
-    "vocab_size": 512,
-    "n_positions": 64,
-    "n_embd": 64,
-    "n_layer": 2,
-    "n_head": 2,
-}
 
 
 @pytest.fixture

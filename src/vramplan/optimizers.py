@@ -7,10 +7,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from torch import nn
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
 
 from vramplan.recipe import TORCH_OPTIMIZERS
 
@@ -267,3 +272,25 @@ def optimizer_state_tensors(optimizer: torch.optim.Optimizer | None) -> list[tor
     for state in optimizer.state.values():
         found.extend(v for v in state.values() if isinstance(v, torch.Tensor))
     return found
+
+
+@contextlib.contextmanager
+def step_hooks(
+    before: Callable[[torch.optim.Optimizer], None], after: Callable[[torch.optim.Optimizer], None]
+) -> Iterator[None]:
+    """Call ``before(optimizer)`` and ``after(optimizer)`` around every ``optimizer.step()``
+    (of any optimizer, the user's own too) run inside the block.
+
+    >>> steps = []
+    >>> with step_hooks(lambda o: steps.append("in"), lambda o: steps.append("out")):
+    ...     build_optimizer("sgd", [nn.Parameter(torch.zeros(2))], {}).step()
+    >>> steps
+    ['in', 'out']
+    """
+    pre = register_optimizer_step_pre_hook(lambda optimizer, *_: before(optimizer))
+    post = register_optimizer_step_post_hook(lambda optimizer, *_: after(optimizer))
+    try:
+        yield
+    finally:
+        pre.remove()
+        post.remove()

@@ -35,12 +35,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
+from vramplan.optimizers import step_hooks
 from vramplan.recipe import Recipe
 from vramplan.result import Phase
 from vramplan.trace.events import PhaseMark
@@ -165,7 +162,7 @@ class IterationCopy:
     def watching_steps(self) -> Iterator[None]:
         """Note each optimizer step run inside the passes (the step in backward)."""
 
-        def before(optimizer, *_args, **_kwargs) -> None:
+        def before(optimizer) -> None:
             if self._steps is not None:
                 gradient = self._gradient(optimizer.param_groups[0]["params"][0])
                 if gradient is None:
@@ -173,17 +170,12 @@ class IterationCopy:
                 phase = self.recorder.current_phase()[0]
                 self._steps.append(_Step(optimizer, gradient, phase, self._span()))
 
-        def after(_optimizer, *_args, **_kwargs) -> None:
+        def after(_optimizer) -> None:
             if self._steps is not None:
                 self._steps[-1].end = self._span()
 
-        pre = register_optimizer_step_pre_hook(before)
-        post = register_optimizer_step_post_hook(after)
-        try:
+        with step_hooks(before, after):
             yield
-        finally:
-            pre.remove()
-            post.remove()
 
     def _gradient(self, param: torch.nn.Parameter) -> Gradient | None:
         """What remaking ``param``'s gradient takes (None: it has none)."""

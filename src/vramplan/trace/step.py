@@ -18,15 +18,11 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.optim.optimizer import (
-    register_optimizer_step_post_hook,
-    register_optimizer_step_pre_hook,
-)
 from torch.utils._pytree import tree_flatten, tree_map
 
 from vramplan.errors import UserError
 from vramplan.limits import time_limit
-from vramplan.optimizers import build_optimizer, optimizer_state_tensors
+from vramplan.optimizers import build_optimizer, optimizer_state_tensors, step_hooks
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Phase
 from vramplan.sources.base import BuiltModel
@@ -69,25 +65,20 @@ def _optimizer_phase_hooks(recorder: AllocationRecorder, optimizers: list) -> It
     """Mark every ``optimizer.step()`` (the user's own too) as the optimizer phase, and
     tag the state each optimizer holds after its step."""
 
-    def before(optimizer, *_args, **_kwargs) -> None:
+    def before(optimizer) -> None:
         recorder.enter_optimizer()
         # Gradients an engine assigned itself (FSDP's sharded gradients) had no hook.
         grads = [p.grad for group in optimizer.param_groups for p in group["params"]]
         _tag(recorder, grads, Component.GRADIENTS)  # _tag skips the missing (None) ones
 
-    def after(optimizer, *_args, **_kwargs) -> None:
+    def after(optimizer) -> None:
         recorder.leave_optimizer()
         if optimizer not in optimizers:
             optimizers.append(optimizer)
         _tag_optimizer_state(recorder, optimizer)
 
-    pre = register_optimizer_step_pre_hook(before)
-    post = register_optimizer_step_post_hook(after)
-    try:
+    with step_hooks(before, after):
         yield
-    finally:
-        pre.remove()
-        post.remove()
 
 
 @dataclass
