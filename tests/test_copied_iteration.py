@@ -140,3 +140,33 @@ def test_gradients_kept_by_zero_grad_are_traced(copies):
     (traced, _), (copied, _) = _traced_and_copied(_remembering, recipe)
     assert copies == []  # never offered: zero_grad keeps the gradients by design
     assert copied == traced
+
+
+class Replacing(torch.optim.Optimizer):
+    """Keeps a copy of the last gradient as its state, made anew at every step: the second
+    step frees the first one's state."""
+
+    def __init__(self, params) -> None:
+        super().__init__(params, {})
+
+    @torch.no_grad()
+    def step(self, closure=None) -> None:
+        for group in self.param_groups:
+            for param in group["params"]:
+                self.state[param]["last"] = param.grad.clone()
+
+
+def test_state_replaced_by_the_second_step(copies):
+    recipe = Recipe(batch_size=4, optimizer="adamw")
+
+    def built() -> BuiltModel:
+        model = _remembering()
+        model.model = nn.Sequential(nn.Linear(64, 64, device="meta"))
+        model.make_optimizer = lambda params, _recipe: Replacing(params)
+        return model
+
+    (traced, _), (copied, _) = _traced_and_copied(built, recipe)
+    assert copies == [True]
+    assert copied == traced
+    state = [a for a in traced.allocations if a.category == "optimizer_state"]
+    assert any(a.iteration == 1 and a.free_index is not None for a in state)

@@ -289,16 +289,15 @@ class IterationCopy:
             return index - self.stepped_at + cleared  # a zero_grad free
 
         def later(index: int | None) -> int | None:
-            return index + shift if index is not None and index >= z1 else index
+            if index is None or index < z1:
+                return index
+            if index < z1 + stepped_again:  # a second step freed it: in the copied passes
+                return copied(index)
+            return index + shift
 
         records = recorder.records
         kept = sum(1 for record in records if record.alloc_index < z1)
-        repeated = [
-            record
-            for record in records
-            if (f0 <= record.alloc_index < b1 or record.alloc_index >= z1)
-            and layout.find(record.alloc_index) is not None
-        ]
+        repeated = [record for record in records if layout.find(record.alloc_index) is not None]
         phases = {(s.start.events, s.end.events): f.phase for f, s in self._pairs()}
         copies = [
             StorageRecord(
