@@ -328,7 +328,8 @@ class IterationCopy:
         _add(recorder.op_counts, self._passes("op_counts"))
         _add(self.policy.kernel_calls(), self._passes("kernel_calls"))
         if self.counter is not None:
-            self.counter.add(sum(n for _, n in self._passes("flops")))
+            steps = sum(step.end.flops - step.start.flops for step in self.first_steps)
+            self.counter.add(self.end.flops - self.start.flops - steps)
 
     def _pairs(self) -> list[tuple[_Step, _Step]]:
         return list(zip(self.first_steps, self.second_steps, strict=True))
@@ -344,14 +345,12 @@ class IterationCopy:
         return pieces
 
     def _passes(self, field: str) -> list[tuple[Any, int]]:
-        """What the copied passes add to a count (``_Span`` ``field``): the first passes'
-        less their steps' (the second steps, run for real, were counted as they ran)."""
+        """What the copied passes add to a count (``_Span`` ``field``, a dict): the first
+        passes' less their steps' (the second steps, run for real, were counted as they
+        ran)."""
 
         def ran(start: _Span, end: _Span) -> list[tuple[Any, int]]:
-            before, after = getattr(start, field), getattr(end, field)
-            if isinstance(before, int):
-                return [("flops", after - before)]
-            return _difference(before, after)
+            return _difference(getattr(start, field), getattr(end, field))
 
         counts: dict = {}
         _add(counts, ran(self.start, self.end))
