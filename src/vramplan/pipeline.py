@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from vramplan.collector import quiet
 from vramplan.device.options import DeviceOptions
 from vramplan.device.replay import apply_device
 from vramplan.errors import UserError
@@ -79,6 +80,7 @@ def trace_and_estimate(
     return estimate_traced(built, recipe, trace, device, policy), trace
 
 
+@quiet()  # pure Python over the trace: no storages, no collections
 def estimate_traced(
     built: BuiltModel,
     recipe: Recipe,

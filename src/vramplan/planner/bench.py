@@ -18,6 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from vramplan.collector import settle
 from vramplan.device.catalog import GpuSpec
 from vramplan.device.measured import measured_for
 from vramplan.device.options import DeviceOptions
@@ -241,6 +242,7 @@ class Workbench:
         self._done[self.key(recipe)] = estimate, trace
         self._short_traces.update(short_traces)
         self.log.add(label, seconds)
+        settle()
 
     def short_traces_made(self) -> dict:
         """The short traces of repeated blocks kept so far (``shares_short_traces``)."""
@@ -273,7 +275,9 @@ class Workbench:
         """The estimate and trace of ``recipe`` as traced (traced once, then cached): one
         GPU's, or under an FSDP layout one rank's (``estimate`` gives the rank's figures)."""
         key = self.key(recipe)
-        sibling = self._read_off(recipe) if key not in self._done else None
+        if key in self._done:
+            return self._done[key]
+        sibling = self._read_off(recipe)
         if sibling is not None:
             derived = self._paged(recipe, sibling)
             if derived is not None:
@@ -293,6 +297,7 @@ class Workbench:
             if self.finish is not None:
                 estimate = self.finish(estimate, trace, device)
             self._done[key] = estimate, trace
+        settle()  # the cache out of the collector's later passes
         return self._done[key]
 
     def _read_off(self, recipe: Recipe) -> Recipe | None:

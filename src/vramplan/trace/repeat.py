@@ -24,8 +24,10 @@ once, and the same rules must rebuild the 2-block trace event for event; otherwi
 
 from __future__ import annotations
 
+import bisect
 import copy
 import difflib
+import itertools
 import json
 import re
 from collections import OrderedDict, defaultdict
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field, replace
 
 from torch import nn
 
+from vramplan.collector import quiet
 from vramplan.recipe import Recipe
 from vramplan.sources.base import BuiltModel
 from vramplan.sources.blocks import block_containers
@@ -639,11 +642,15 @@ def _rebuild(t3, slots3, tok3, labels, regions, names, full, renamer) -> Trace: 
     3-block trace."""
     extra = full - 3
     ends = sorted((r.q + r.d, r.d) for r in regions)
+    end_positions = [end for end, _ in ends]
+    inserted_before = [0, *itertools.accumulate(d for _, d in ends)]
     starts = {id(r): None for r in regions}
 
     def place(pos: int) -> int:
         """Where a 3-block event lands (the inserted run as copy 0)."""
-        return pos + extra * sum(d for end, d in ends if end <= pos) if extra >= 0 else None
+        if extra < 0:
+            return None
+        return pos + extra * inserted_before[bisect.bisect_right(end_positions, pos)]
 
     if extra >= 0:
         for r in regions:
@@ -851,7 +858,8 @@ class _Rebuilder:
         start = self.run.start + sum(u * p.width for u, p in before_run)
         run = BlockRun(self.run.path, start, start + targets[j] * width, width)
         before, after = j > 0, j < len(self.parts) - 1
-        full = expand(t2, t3, run, targets[j], side=int(before) - int(after))
+        with quiet():  # pure Python: no storages, no collections
+            full = expand(t2, t3, run, targets[j], side=int(before) - int(after))
         return replace(
             full,
             op_counts=scaled_counts(t2.op_counts, t3.op_counts, targets[j]),
