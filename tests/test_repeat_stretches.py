@@ -39,3 +39,30 @@ def test_every_second_block_checkpointed(tmp_path):
     full, repeated = _both(tmp_path, 10, checkpointing="every:2", precision="amp-bf16")
     note = "repeated blocks: the 10 model.layers blocks are stretches of 5 units of 2 blocks"
     assert_same_estimate(full, repeated, note)
+
+
+def test_offloaded_checkpointed_blocks_repeat_in_units_of_the_stash(tmp_path):
+    """Activation offloading keeps a checkpointed block's input on the card until
+    FORWARD_STASH (5) later tensors are offloaded: units of 5 blocks repeat, and the block
+    left over is a tail traced as it is."""
+    full, repeated = _both(
+        tmp_path, 26, checkpointing="full", activation_offload=True, precision="amp-bf16"
+    )
+    note = (
+        "repeated blocks: the 26 model.layers blocks are stretches of 5 units of 5 blocks "
+        "and 1 block (an offloaded block input stays on the card up to 5 blocks)"
+    )
+    assert_same_estimate(full, repeated, note)
+
+
+def test_a_frozen_embedding_under_offloading_repeats_in_units_of_the_stash(tmp_path, monkeypatch):
+    """LoRA freezes the embedding: its output is a leaf the offloader holds to the end of
+    the step. A stash of two tensors keeps the model short (units of 2 blocks)."""
+    monkeypatch.setattr("vramplan.trace.tricks.FORWARD_STASH", 2)
+    lora = {"precision": "bf16", "lora_rank": 4, "lora_targets": "all-linear"}
+    full, repeated = _both(tmp_path, 11, checkpointing="full", activation_offload=True, **lora)
+    note = (
+        "repeated blocks: the 11 base_model.model.model.layers blocks are stretches of 5 "
+        "units of 2 blocks and 1 block (an offloaded block input stays on the card up to 2"
+    )
+    assert_same_estimate(full, repeated, note)

@@ -910,10 +910,12 @@ def repeat_built(
     if run is None:
         return None, ""
     label = f"{run.length} {run.path} blocks"
+    parts = segments(recipe, run.length)
     stash = _stash_reason(recipe)
     if stash:
-        return None, f"full trace: {label} do not repeat exactly ({stash})"
-    parts = segments(recipe, run.length)
+        parts = _stash_units(recipe, run.length)
+        if parts is None:
+            return None, f"full trace: {label} do not repeat exactly ({stash})"
     stack = ModuleStack()
     stack.name_modules(model)
     rebuilder = _Rebuilder(built, recipe, run, parts, trace_model, kind)
@@ -940,19 +942,22 @@ def repeat_built(
         return None, f"full trace: {label} cannot be traced cut short ({type(exc).__name__})"
     cast_parameters(model, recipe)  # as the traced copies were
     trace = replace(trace, module_kinds=dict(stack.kinds))
-    return trace, _note(label, parts, len(rebuilder.traces))
+    n = tricks.FORWARD_STASH
+    why = f"an offloaded block input stays on the card up to {n} blocks" if stash else ""
+    return trace, _note(label, parts, len(rebuilder.traces), why or "checkpointed or not")
 
 
 def _stash_reason(recipe: Recipe) -> str:
-    """Why offloading with checkpointing cannot repeat (empty when it can).
+    """Why offloading with checkpointing cannot repeat block by block (empty when it can).
 
     The offloader keeps the card copy of the last ``FORWARD_STASH`` offloaded saved tensors
     while the side stream copies them (``tricks.Offloader.pack``). A checkpointed block
-    saves one tensor through it, its input (``torch.utils.checkpoint``'s ``save_inputs``:
-    the block's own saved tensors go to checkpoint's hooks), so a block's input dies
-    ``FORWARD_STASH`` blocks later. Traces of fewer blocks than that (the 2-, 3- and 4-block
-    ones) see every input die after the last block, a deeper model sees them die in the
-    blocks: the pattern holds for the short traces and not for the model.
+    saves its inputs through it (``torch.utils.checkpoint``'s ``save_inputs``: the block's
+    own saved tensors go to checkpoint's hooks), at least one tensor, so a block's input
+    dies up to ``FORWARD_STASH`` blocks later. Traces of fewer blocks than that (the 2-, 3-
+    and 4-block ones) see every input die after the last block, a deeper model sees them
+    die in the blocks: the pattern holds for the short traces and not for the model.
+    ``_stash_units`` repeats units of ``FORWARD_STASH`` blocks instead.
     """
     if not (recipe.activation_offload and recipe.checkpointing != "none"):
         return ""
@@ -965,7 +970,33 @@ def _stash_reason(recipe: Recipe) -> str:
     )
 
 
-def _note(label: str, parts: tuple[Segment, ...], traces: int) -> str:
+def _stash_units(recipe: Recipe, blocks: int) -> tuple[Segment, ...] | None:
+    """The stretches that repeat under activation offloading with every block
+    checkpointed: units of ``FORWARD_STASH`` blocks, so that a block's input, which dies
+    at most that many blocks later (``_stash_reason``), dies in its own unit or the next,
+    as the rebuild needs; the blocks left over are a tail traced as it is. None where the
+    short traces (2, 3 and 4 units, each with the tail) would hold more than ``SHORTER``
+    of the model's blocks (the 32 of Llama-3-8B: tracing every block is quicker) or the
+    checkpointing is partial.
+
+    >>> _stash_units(Recipe(activation_offload=True, checkpointing="full"), 80)
+    (Segment(width=5, units=16),)
+    >>> _stash_units(Recipe(activation_offload=True, checkpointing="full"), 126)
+    (Segment(width=5, units=25), Segment(width=1, units=1))
+    >>> _stash_units(Recipe(activation_offload=True, checkpointing="full"), 32) is None
+    True
+    """
+    if recipe.checkpointing != "full":
+        return None
+    width = tricks.FORWARD_STASH
+    units, tail = divmod(blocks, width)
+    traced = sum(n * width + tail for n in (*SHORT, CHECK))
+    if units <= CHECK or traced > SHORTER * blocks:
+        return None
+    return (Segment(width, units),) + ((Segment(1, tail),) if tail else ())
+
+
+def _note(label: str, parts: tuple[Segment, ...], traces: int, why: str) -> str:
     if parts == (Segment(1, parts[0].units),):
         return (
             f"repeated blocks: traced {SHORT[0]} and {SHORT[1]} of the {label} and repeated "
@@ -979,7 +1010,7 @@ def _note(label: str, parts: tuple[Segment, ...], traces: int) -> str:
         for p in parts
     )
     return (
-        f"repeated blocks: the {label} are stretches of {stretches} (checkpointed or not); "
+        f"repeated blocks: the {label} are stretches of {stretches} ({why}); "
         f"traced {traces} short versions and repeated each stretch's events (rebuilds the "
         f"{CHECK}-unit trace exactly; --full-trace traces all)"
     )
