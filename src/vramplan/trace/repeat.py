@@ -942,9 +942,10 @@ def repeat_built(
         return None, f"full trace: {label} cannot be traced cut short ({type(exc).__name__})"
     cast_parameters(model, recipe)  # as the traced copies were
     trace = replace(trace, module_kinds=dict(stack.kinds))
-    n = tricks.FORWARD_STASH
-    why = f"an offloaded block input stays on the card up to {n} blocks" if stash else ""
-    return trace, _note(label, parts, len(rebuilder.traces), why or "checkpointed or not")
+    why = "checkpointed or not"
+    if stash:
+        why = f"an offloaded block input stays on the card up to {tricks.FORWARD_STASH} blocks"
+    return trace, _note(label, parts, len(rebuilder.traces), why)
 
 
 def _stash_reason(recipe: Recipe) -> str:
