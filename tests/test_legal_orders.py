@@ -4,10 +4,14 @@ through the allocator for the high side of the fragmentation term."""
 
 from __future__ import annotations
 
-from vramplan.device.allocator import AllocatorConfig, replay
-from vramplan.device.orders import legal_orders, requests_in_order, segments
-from vramplan.device.replay import DeviceTrace
+from vramplan.device.allocator import AllocatorConfig, Replay, replay
+from vramplan.device.orders import LegalOrders, legal_orders, requests_in_order, segments
+from vramplan.device.replay import DeviceTrace, requests_of
+from vramplan.pipeline import traced
+from vramplan.recipe import Recipe
+from vramplan.sources import resolve
 from vramplan.trace.events import Allocation, PhaseMark, Trace
+from vramplan.trace.policy import CudaPolicy
 
 MiB = 2**20
 
@@ -64,7 +68,7 @@ def test_state_late_keeps_zero_grad_in_place_and_moves_the_state_after_a_second_
     temporary come after the repeated forward and backward, and that pass's gradient is
     freed by the last step's zero_grad before the traced second iteration runs."""
     orders = legal_orders(_step_trace(), late_state=True)
-    assert _sequence(orders["state_late"]) == [
+    assert _sequence(orders.state_late) == [
         (12, "+"),  # P
         (30, "+"),  # A1
         (12, "+"),  # G1
@@ -86,18 +90,39 @@ def test_state_late_keeps_zero_grad_in_place_and_moves_the_state_after_a_second_
     ]
 
 
-def test_more_iterations_repeats_the_last_iteration_with_fresh_keys():
+def test_more_iterations_repeat_the_last_iteration_with_fresh_keys_after_the_step():
     step = _step_trace()
     orders = legal_orders(step, late_state=False)
-    assert set(orders) == {"more_iterations"}
-    base = requests_in_order(step, step.trace.events())
-    extra = orders["more_iterations"]
-    assert _sequence(extra) == _sequence(base) + _sequence(base)[-6:] * 2
+    assert orders.state_late == []
+    base = requests_of(step)
+    extra = orders.more_iterations
+    assert _sequence(extra) == _sequence(base)[-6:] * 2
+    assert {r.key for r in extra if r.is_alloc}.isdisjoint(r.key for r in base)
     assert len({r.key for r in extra if r.is_alloc}) == sum(r.is_alloc for r in extra)
     config = AllocatorConfig()
-    assert replay(extra, config).stats.peak_reserved == replay(base, config).stats.peak_reserved
+    assert (
+        replay(base + extra, config).stats.peak_reserved == replay(base, config).stats.peak_reserved
+    )
+
+
+def test_more_iterations_fed_on_equal_the_longer_run_replayed_whole(tiny_gpt2_config):
+    """The continuation of a real traced step gives what replaying the whole longer run
+    (its events with the last iteration twice more, keyed afresh) gives."""
+    recipe = Recipe(batch_size=2, seq_len=32, precision="amp-bf16")
+    built = resolve(f"hf:{tiny_gpt2_config}", recipe)
+    step = DeviceTrace(traced(built, recipe, CudaPolicy()))
+    parts = segments(step)
+    final = [p for p in parts if p[0] == max(i for i, _, _ in parts)]
+    whole = requests_in_order(step, [e for _, _, events in parts + final + final for e in events])
+    config = AllocatorConfig()
+    fed_on = Replay(config)
+    fed_on.run(requests_of(step))
+    continued = fed_on.run(legal_orders(step, late_state=False).more_iterations)
+    replayed = replay(whole, config)
+    assert continued.stats == replayed.stats
+    assert continued.stats.peak_reserved > 0
 
 
 def test_a_single_iteration_has_no_other_order():
     one = Trace((_alloc(0, 12, "forward", 1, 0, free=1),), (PhaseMark(0, "forward", 1),), 2)
-    assert legal_orders(DeviceTrace(one), late_state=True) == {}
+    assert legal_orders(DeviceTrace(one), late_state=True) == LegalOrders()

@@ -128,7 +128,7 @@ def test_a_reading_that_lowers_the_reserved_peak_raises_the_high_end_as_far():
             peak_reserved=reserved_mib * MiB, peak_allocated=allocated_mib * MiB
         )
         outside = SimpleNamespace(total=500 * MiB)
-        return _Run(None, outside, SimpleNamespace(stats=stats), [])
+        return _Run(None, outside, SimpleNamespace(stats=stats), [], None)
 
     runs = {"central": run(1000, 800), "low": run(900, 700), "high": run(700, 900)}
     reserved, total, widths = _range(runs, counted_reserve=0, order_high=100 * MiB)

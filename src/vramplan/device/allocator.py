@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from vramplan.device.alloc_conf import (
     LARGE_BUFFER,
@@ -467,38 +467,73 @@ def replay(
     >>> result.stats.peak_reserved
     20971520
     """
-    allocator = CachingAllocator(config, capacity, new_segments_below)
-    live: dict[int, tuple[Block, int]] = {}
-    sizes: dict[int, int] = {}
-    limit = capacity if capacity is not None else device_free
-    for position, request in enumerate(requests):
-        if request.empty_cache:
-            allocator.empty_cache()
-            continue
-        size = request.size
-        if request.candidates:
-            free = math.inf if limit is None else limit - allocator.stats.reserved
-            available = max(free, allocator.largest_free(request.stream))
-            size = max((c for c in request.candidates if c <= available), default=0)
-        if size == 0:
-            continue
-        if request.is_alloc:
-            try:
-                if request.fallbacks and limit is not None:
-                    sizes_tried = (size, *request.fallbacks)
-                    block, size = _first_that_fits(allocator, sizes_tried, limit, request.stream)
-                    if block is None:
-                        continue
-                else:
-                    block = allocator.malloc(size, request.stream)
-            except OutOfMemory:
-                return ReplayResult(allocator.stats, sizes, oom_at=position)
-            live[request.key] = (block, size)
-            sizes[request.key] = block.size
-        elif request.key in live:
-            block, size = live.pop(request.key)
-            allocator.free(block, size)
-    return ReplayResult(allocator.stats, sizes)
+    return Replay(config, capacity, device_free, new_segments_below).run(requests)
+
+
+class Replay:
+    """A replay that more requests can follow: ``run`` feeds them to the same allocator,
+    its cache and live blocks as the earlier ones left them, and gives the figures so far
+    (a copy, which later runs leave alone). The step's other orders that begin as the step
+    does (``orders.py``: more iterations) continue its replay instead of replaying it
+    again::
+
+        >>> MiB = 2**20
+        >>> step = Replay(AllocatorConfig())
+        >>> step.run([Request(0, 3 * MiB, True)]).stats.peak_reserved // MiB
+        20
+        >>> more = [Request(0, 3 * MiB, False), Request(1, 30 * MiB, True)]
+        >>> step.run(more).stats.peak_reserved // MiB  # the 20 MiB segment is still held
+        50
+    """
+
+    def __init__(
+        self,
+        config: AllocatorConfig,
+        capacity: int | None = None,
+        device_free: int | None = None,
+        new_segments_below: bool = False,
+    ) -> None:
+        self.allocator = CachingAllocator(config, capacity, new_segments_below)
+        self.live: dict[int, tuple[Block, int]] = {}
+        self.sizes: dict[int, int] = {}
+        self.limit = capacity if capacity is not None else device_free
+
+    def run(self, requests: list[Request]) -> ReplayResult:
+        """Feed ``requests``; stop at the first out-of-memory error (its index in them)."""
+        allocator, live, sizes, limit = self.allocator, self.live, self.sizes, self.limit
+        for position, request in enumerate(requests):
+            if request.empty_cache:
+                allocator.empty_cache()
+                continue
+            size = request.size
+            if request.candidates:
+                free = math.inf if limit is None else limit - allocator.stats.reserved
+                available = max(free, allocator.largest_free(request.stream))
+                size = max((c for c in request.candidates if c <= available), default=0)
+            if size == 0:
+                continue
+            if request.is_alloc:
+                try:
+                    if request.fallbacks and limit is not None:
+                        sizes_tried = (size, *request.fallbacks)
+                        block, size = _first_that_fits(
+                            allocator, sizes_tried, limit, request.stream
+                        )
+                        if block is None:
+                            continue
+                    else:
+                        block = allocator.malloc(size, request.stream)
+                except OutOfMemory:
+                    return self._result(oom_at=position)
+                live[request.key] = (block, size)
+                sizes[request.key] = block.size
+            elif request.key in live:
+                block, size = live.pop(request.key)
+                allocator.free(block, size)
+        return self._result()
+
+    def _result(self, oom_at: int | None = None) -> ReplayResult:
+        return ReplayResult(replace(self.allocator.stats), dict(self.sizes), oom_at)
 
 
 def _first_that_fits(

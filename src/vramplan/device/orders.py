@@ -16,16 +16,20 @@ iteration reached. Two orders a real run may take:
   backward.
 
 Each order is a list of allocator requests; an allocation replayed twice gets a fresh key
-per instance, and a free releases the latest one::
+per instance, and a free releases the latest one. ``more_iterations`` begins as the step
+does, so it is given as what follows the step's own requests (``replay.requests_of``), to
+feed the replay that took them (``allocator.Replay``) rather than replay the step again::
 
     orders = legal_orders(device_trace, late_state=True)
-    sorted(orders)  # ['more_iterations', 'state_late']
+    orders.more_iterations  # the requests after the step's own
+    orders.state_late       # a whole order ([] where it does not apply)
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 
 from vramplan.device.allocator import Request
 from vramplan.result import Phase
@@ -51,12 +55,15 @@ def segments(on_device) -> list[Segment]:
     return [(iteration, phase, tuple(events)) for iteration, phase, events in cut]
 
 
-def requests_in_order(on_device, events: Iterable[Event]) -> list[Request]:
+def requests_in_order(
+    on_device, events: Iterable[Event], live: dict[int, int] | None = None, first_key: int = 0
+) -> list[Request]:
     """Allocator requests for ``events`` (which may repeat a segment): each allocation
-    event opens a fresh instance; a free releases the latest live instance of its
-    allocation, and frees of nothing live are dropped."""
-    keys = itertools.count()
-    live: dict[int, int] = {}
+    event opens a fresh instance (keys from ``first_key``); a free releases the latest live
+    instance of its allocation, and frees of nothing live are dropped. ``live``: the
+    instances already live (allocation id: key), when the requests follow others."""
+    keys = itertools.count(first_key)
+    live = dict(live or {})
     requests = []
     for event in events:
         a = event.allocation
@@ -85,26 +92,40 @@ def _events(parts: Iterable[Segment]) -> list[Event]:
     return [event for _, _, events in parts for event in events]
 
 
-def legal_orders(on_device, late_state: bool) -> dict[str, list[Request]]:
+@dataclass(frozen=True)
+class LegalOrders:
+    """The step's other legal orders: ``more_iterations`` as the requests that follow the
+    step's own (keys above its allocation ids), ``state_late`` whole ([]: none)."""
+
+    more_iterations: list[Request] = field(default_factory=list)
+    state_late: list[Request] = field(default_factory=list)
+
+
+def legal_orders(on_device, late_state: bool) -> LegalOrders:
     """The alternative orders of a trained step (none for inference or one iteration):
-    ``more_iterations`` always, ``state_late`` when ``late_state`` (fp16 with a
-    GradScaler) and the first iteration stepped an optimizer."""
+    the last iteration twice more, always, following the step's own requests (which
+    ``replay.requests_of`` keys by allocation id: what is still alive at the step's end is
+    freed where its next instance is made); the state created one step late when
+    ``late_state`` (fp16 with a GradScaler) and the first iteration stepped an optimizer."""
     parts = segments(on_device)
     last = max((iteration for iteration, _, _ in parts), default=0)
     if last < 2 or not any(phase == Phase.BACKWARD for _, phase, _ in parts):
-        return {}
+        return LegalOrders()
     final = [p for p in parts if p[0] == last]
-    orders = {"more_iterations": requests_in_order(on_device, _events(parts + final + final))}
+    allocations = on_device.trace.allocations
+    alive = {a.id: a.id for a in allocations if a.free_index is None}
+    first_key = 1 + max((a.id for a in allocations), default=-1)
+    more = requests_in_order(on_device, _events(final + final), alive, first_key)
     steps = {i: [p for p in parts if p[0] == i and p[1] == Phase.OPTIMIZER] for i in (1, last)}
-    if late_state and steps[1]:
-        step, zero_grad = _split_step(steps[1])
-        _, zero_grad_last = _split_step(steps[last])
-        before = [p for p in parts if p[0] < 1 or (p[0] == 1 and p[1] != Phase.OPTIMIZER)]
-        again = [p for p in final if p[1] != Phase.OPTIMIZER]
-        rest = [p for p in parts if p[0] >= 2]
-        order = _events(before) + zero_grad + _events(again) + step + zero_grad_last
-        orders["state_late"] = requests_in_order(on_device, order + _events(rest))
-    return orders
+    if not (late_state and steps[1]):
+        return LegalOrders(more)
+    step, zero_grad = _split_step(steps[1])
+    _, zero_grad_last = _split_step(steps[last])
+    before = [p for p in parts if p[0] < 1 or (p[0] == 1 and p[1] != Phase.OPTIMIZER)]
+    again = [p for p in final if p[1] != Phase.OPTIMIZER]
+    rest = [p for p in parts if p[0] >= 2]
+    order = _events(before) + zero_grad + _events(again) + step + zero_grad_last
+    return LegalOrders(more, requests_in_order(on_device, order + _events(rest)))
 
 
 def _split_step(step: list[Segment]) -> tuple[list[Event], list[Event]]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from vramplan.device.allocator import AllocatorConfig, Request, replay
+from vramplan.device.allocator import AllocatorConfig, Replay, Request, replay
 from vramplan.device.catalog import GpuSpec
 from vramplan.device.cudnn import ConvCase, Workspace, cases_of, engine_workspace
 from vramplan.device.measured import MeasuredTable, measured_for
@@ -254,6 +254,8 @@ class _Run:
     requests: list[Request]
     """``requests_of(on_device)``, replayed again by ``order_excess`` and the capacity-limited
     replay."""
+    replayed: Replay
+    """The allocator as the step left it, which ``order_excess`` feeds more iterations."""
 
     @property
     def reserved(self) -> int:
@@ -283,23 +285,26 @@ def _replays(trace: Trace, options: DeviceOptions, config: AllocatorConfig, usab
             continue
         on_device = device_trace(trace, gpu, options.cudnn_benchmark, variant, options.measured)
         requests = requests_of(on_device)
-        result = replay(requests, config, device_free=usable - outside.total)
-        runs[variant] = _Run(on_device, outside, result, requests)
+        replayed = Replay(config, device_free=usable - outside.total)
+        runs[variant] = _Run(on_device, outside, replayed.run(requests), requests, replayed)
     return runs
 
 
 def order_excess(central: _Run, config: AllocatorConfig, usable: int, late_state: bool) -> int:
     """How far above the central replay's reserved peak the step's other legal orders
-    reach (``device.orders``: more iterations; with ``late_state``, the optimizer state
-    created one step late), and the central order with each new segment placed below the
-    earlier ones (the driver picks the addresses, which break ties between equal free
-    blocks: ``CachingAllocator``): the high side of the fragmentation term, never below 0.
+    reach (``device.orders``: more iterations, fed on to the central replay itself; with
+    ``late_state``, the optimizer state created one step late), and the central order with
+    each new segment placed below the earlier ones (the driver picks the addresses, which
+    break ties between equal free blocks: ``CachingAllocator``): the high side of the
+    fragmentation term, never below 0. Call it once per replay: it runs the central one on.
     """
     free = usable - central.outside.total
-    peaks = [
-        replay(requests, config, device_free=free).stats.peak_reserved
-        for requests in legal_orders(central.on_device, late_state).values()
-    ]
+    orders = legal_orders(central.on_device, late_state)
+    peaks = []
+    if central.result.oom_at is None:  # (a replay that ran out of memory stopped there)
+        peaks.append(central.replayed.run(orders.more_iterations).stats.peak_reserved)
+    if orders.state_late:
+        peaks.append(replay(orders.state_late, config, device_free=free).stats.peak_reserved)
     below = replay(central.requests, config, device_free=free, new_segments_below=True)
     peaks.append(below.stats.peak_reserved)
     return max([0, *(peak - central.reserved for peak in peaks)])
