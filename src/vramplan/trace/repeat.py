@@ -834,16 +834,6 @@ class _Rebuilder:
             self.traces[units] = self.kept[key]
         return self.traces[units]
 
-    def blocks_traced(self) -> int:
-        """Blocks in all the short traces (the check's included)."""
-        shapes = {()}
-        for j in self.expanding:
-            shapes = {(*shape, (j, n)) for shape in shapes for n in SHORT}
-        leaves = [dict(shape) for shape in shapes] + [dict.fromkeys(self.expanding, CHECK)]
-        return sum(
-            sum(leaf.get(j, p.units) * p.width for j, p in enumerate(self.parts)) for leaf in leaves
-        )
-
     def rebuilt(self, targets: dict[int, int]) -> Trace:
         """The trace with each long stretch ``j`` at ``targets[j]`` units."""
         return self._level(0, [part.units for part in self.parts], targets)
@@ -922,7 +912,7 @@ def repeat_built(
     if not rebuilder.expanding:
         return None, f"full trace: {label} have no stretch of more than {CHECK} alike"
     if len(parts) > 1 and built.short_traces is None:
-        short = rebuilder.blocks_traced()
+        short = blocks_traced(parts)
         if short > SHORTER * run.length:
             return None, (
                 f"full trace: {label} checkpointed in part would take short traces of "
@@ -991,10 +981,25 @@ def _stash_units(recipe: Recipe, blocks: int) -> tuple[Segment, ...] | None:
         return None
     width = tricks.FORWARD_STASH
     units, tail = divmod(blocks, width)
-    traced = sum(n * width + tail for n in (*SHORT, CHECK))
-    if units <= CHECK or traced > SHORTER * blocks:
+    parts = (Segment(width, units),) + ((Segment(1, tail),) if tail else ())
+    if units <= CHECK or blocks_traced(parts) > SHORTER * blocks:
         return None
-    return (Segment(width, units),) + ((Segment(1, tail),) if tail else ())
+    return parts
+
+
+def blocks_traced(parts: tuple[Segment, ...]) -> int:
+    """Blocks in all the short traces of ``parts`` (the check's included): each stretch
+    that expands at 2 and 3 units (every combination of them), then all at ``CHECK``.
+
+    >>> blocks_traced((Segment(5, 16),)), blocks_traced((Segment(1, 12), Segment(1, 20)))
+    (45, 28)
+    """
+    expanding = [j for j, part in enumerate(parts) if part.expands]
+    shapes = {()}
+    for j in expanding:
+        shapes = {(*shape, (j, n)) for shape in shapes for n in SHORT}
+    leaves = [dict(shape) for shape in shapes] + [dict.fromkeys(expanding, CHECK)]
+    return sum(sum(leaf.get(j, p.units) * p.width for j, p in enumerate(parts)) for leaf in leaves)
 
 
 def _note(label: str, parts: tuple[Segment, ...], traces: int, why: str) -> str:
