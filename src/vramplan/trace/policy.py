@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -35,6 +35,11 @@ class DevicePolicy(Protocol):
     def step_scalars_on_host(self) -> bool: ...
 
     def dispatch_modes(self, recipe: Recipe) -> list: ...
+
+    def flop_counter(self) -> Any:
+        """What counts the run's FLOPs on each op the recorder sees (``flops.TotalFlops``),
+        or None."""
+        ...
 
     def trace_notes(self) -> list[str]: ...
 
@@ -78,6 +83,9 @@ class CpuPolicy:
 
     def kernel_calls(self) -> dict[str, int]:
         return self._convolutions
+
+    def flop_counter(self) -> None:
+        return None
 
     def trace_notes(self) -> list[str]:
         kernels = sorted(k for k, n in self._convolutions.items() if n)

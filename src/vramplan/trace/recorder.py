@@ -15,6 +15,7 @@ import contextlib
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
@@ -147,8 +148,11 @@ def storage_key(tensor: torch.Tensor) -> int:
 class AllocationRecorder(TorchDispatchMode):
     """Dispatch mode that logs storage births and deaths with phase and module."""
 
-    def __init__(self, modules: ModuleStack | None = None) -> None:
+    def __init__(self, modules: ModuleStack | None = None, counter: Any = None) -> None:
         super().__init__()
+        self.counter = counter
+        """Told of every op (``count(func, args, kwargs, out)``), paused or not: the FLOP
+        counter (``flops.TotalFlops``), None when nothing counts."""
         resume()  # frees of storages in reference cycles are seen when the collector runs
         self.records: list[StorageRecord] = []
         self.live: dict[int, StorageRecord] = {}
@@ -301,7 +305,10 @@ class AllocationRecorder(TorchDispatchMode):
         self.live.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if self.counter is not None:
+            self.counter.count(func, args, kwargs, out)
         if self._paused or func is _DEVICE_QUERY:
             return out
         name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)

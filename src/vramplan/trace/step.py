@@ -165,7 +165,11 @@ def tracing(
     one-line ``UserError``s naming the op or the error."""
     modules = ModuleStack()
     modules.name_modules(model)
-    session = TracingSession(AllocationRecorder(modules), modules, FakeTensorMode(), policy)
+    counter = policy.flop_counter()
+    if counter is not None:
+        counter.reset()
+    recorder = AllocationRecorder(modules, counter)
+    session = TracingSession(recorder, modules, FakeTensorMode(), policy)
     try:
         with (
             _quiet_fake_tensor_logs(),
