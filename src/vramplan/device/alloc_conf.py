@@ -8,6 +8,7 @@ memory use, read from its ``key:value,key:value`` syntax.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from vramplan.errors import UserError
 
@@ -79,6 +80,11 @@ class AllocatorConfig:
             else:
                 raise UserError(f"alloc conf: unknown option {key!r}")
         return cls(**values)
+
+    @cached_property
+    def rounds_to_divisions(self) -> bool:
+        """Whether any size rounds to power-of-two divisions (else to 512 bytes)."""
+        return any(d > 1 for d in self.roundup_power2_divisions)
 
     def divisions_for(self, size: int) -> int:
         """The power-of-two divisions that apply to a request of ``size`` bytes."""

@@ -49,6 +49,8 @@ def round_size(size: int, config: AllocatorConfig) -> int:
     """
     if size < MIN_BLOCK:
         return MIN_BLOCK
+    if not config.rounds_to_divisions:
+        return -(-size // MIN_BLOCK) * MIN_BLOCK
     divisions = config.divisions_for(size)
     if divisions > 1 and size > MIN_BLOCK * divisions:
         if is_power_of_two(size):
@@ -81,10 +83,8 @@ class Block:
     allocated: bool = False
     prev: Block | None = None
     next: Block | None = None
-
-    @property
-    def key(self) -> tuple[int, int, int]:
-        return (self.segment.stream, self.size, self.address)
+    filed: tuple[int, int, int] = (0, 0, 0)
+    """The ``key`` it was filed under in its pool (while free)."""
 
 
 @dataclass(eq=False)
@@ -135,13 +135,16 @@ class _Pool:
     blocks: dict[tuple[int, int, int], Block] = field(default_factory=dict)
 
     def add(self, block: Block) -> None:
-        bisect.insort(self.keys, block.key)
-        self.blocks[block.key] = block
+        key = block.filed = (block.segment.stream, block.size, block.address)
+        bisect.insort(self.keys, key)
+        self.blocks[key] = block
 
     def remove(self, block: Block) -> None:
-        index = bisect.bisect_left(self.keys, block.key)
-        del self.keys[index]
-        del self.blocks[block.key]
+        """Take out ``block``, filed under its key as it was when added (a block does not
+        change while it is in a pool)."""
+        key = block.filed
+        del self.keys[bisect.bisect_left(self.keys, key)]
+        del self.blocks[key]
 
     def best_fit(self, size: int, stream: int = 0) -> Block | None:
         index = bisect.bisect_left(self.keys, (stream, size, -1))
