@@ -111,7 +111,7 @@ def test_no_lora_floor_is_traced_where_the_half_precision_weights_do_not_fit(tmp
     """A Llama of two wide blocks (128M parameters, 256 MB in bf16) on a 256 MiB card: the
     bf16 weights alone do not fit, so the LoRA base is left out of the plan's adapter tier
     (QLoRA's quantized base stays), and its floor, traced, indeed does not fit."""
-    from vramplan.planner.levers import LORA, QLORA, LeverResult, _adapter_bases, _floor
+    from vramplan.planner.levers import LORA, QLORA, LeverResult, _adapter_bases, _floors
 
     path = tmp_path / "config.json"
     wide = {**PLAN_LLAMA, "hidden_size": 2048, "intermediate_size": 8192}
@@ -127,5 +127,5 @@ def test_no_lora_floor_is_traced_where_the_half_precision_weights_do_not_fit(tmp
     adapters = [LeverResult("LoRA", LORA, None, 0, {}), LeverResult("QLoRA", QLORA, None, 0, {})]
     bases = _adapter_bases(adapters, bf16)
     assert [names for names, _ in bases] == [("bf16 weights", "QLoRA")]
-    lora_floor = _floor(recipe, {"precision": "bf16", **LORA, "loss_chunks": 8}, True)
+    lora_floor = _floors(recipe, {"precision": "bf16", **LORA, "loss_chunks": 8}, True)[-1]
     assert not bench.fits(lora_floor)

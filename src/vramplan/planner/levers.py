@@ -607,16 +607,17 @@ def _cheapest(
     """The fitting plan of ``tier`` with the least modelled step time: (base names,
     changes, free levers kept)."""
     best: tuple[float, tuple[str, ...], dict, tuple[LeverResult, ...]] | None = None
+    ckpt = {"checkpointing": "full"} if checkpointable else {}
     bench.prefetch(
         [
-            _floor(recipe, _merged(base, free), checkpointable)
+            _apply(recipe, {**_merged(base, free), **ckpt})
             for _, base in tier.bases
             for free in tier.leanest
         ]
     )
     for names, base in tier.bases:
-        floors = (_merged(base, free) for free in tier.leanest)
-        if not any(_floor_fits(bench, recipe, floor, checkpointable) for floor in floors):
+        leanest = (_merged(base, free) for free in tier.leanest)
+        if not any(_viable(bench, recipe, changes, checkpointable) for changes in leanest):
             continue  # the leanest free levers with every costed one do not fit: none do
         for free in tier.free:
             changes = _merged(base, free)
@@ -656,14 +657,14 @@ def _fitting_variants(
         and not changes.get("optimizer_in_backward")
         and not recipe.optimizer_in_backward
     )
-    if not _floor_fits(bench, recipe, changes, checkpointable):
-        return []
     bench.prefetch([_apply(recipe, changes), _apply(recipe, {**changes, **ckpt})])
     if bench.fits(_apply(recipe, changes)):
         return [changes]
     found = []
     if ckpt and bench.fits(_apply(recipe, {**changes, **ckpt})):
         found.append(_selective(bench, recipe, {**changes, **ckpt}))
+    elif not _viable(bench, recipe, changes, checkpointable):
+        return []
     elif offload and bench.fits(_apply(recipe, {**changes, **ckpt, **offload})):
         found.append(_selective(bench, recipe, {**changes, **ckpt, **offload}))
     if can_accumulate and not _costs_more(bench, recipe, changes, throughput, found, best):
@@ -675,23 +676,36 @@ def _fitting_variants(
     return found
 
 
-def _floor_fits(bench: Workbench, recipe: Recipe, changes: dict, checkpointable: bool) -> bool:
-    """Whether ``changes`` fit with every costed lever at once."""
-    return bench.fits(_floor(recipe, changes, checkpointable))
+def _viable(bench: Workbench, recipe: Recipe, changes: dict, checkpointable: bool) -> bool:
+    """Whether ``changes`` fit with some costed lever, asking the lightest traces first:
+    every block recomputed at the user's batch (``_fitting_variants`` asks for it next),
+    then at one sample per micro-batch, and only then with activation offloading too (the
+    floor: offloading with every block checkpointed is traced in stretches of five blocks
+    or whole, the dearest trace of a plan, needed only where nothing lighter fits)."""
+    return any(bench.fits(trial) for trial in _floors(recipe, changes, checkpointable))
 
 
-def _floor(recipe: Recipe, changes: dict, checkpointable: bool) -> Recipe:
-    """``changes`` with every costed lever at once: all blocks recomputed, activations
-    offloaded, one sample per micro-batch (where gradients can accumulate)."""
-    floor = dict(changes)
-    if recipe.is_training:
-        floor.update({"checkpointing": "full"} if checkpointable else {})
-        floor.update({} if recipe.activation_offload else {"activation_offload": True})
-        if recipe.batch_size > 1 and not (
-            changes.get("optimizer_in_backward") or recipe.optimizer_in_backward
-        ):
-            floor.update(batch_size=1, grad_accum=recipe.grad_accum * recipe.batch_size)
-    return _apply(recipe, floor)
+def _floors(recipe: Recipe, changes: dict, checkpointable: bool) -> list[Recipe]:
+    """``changes`` with ever more costed levers, the last of them all at once: every block
+    recomputed; then one sample per micro-batch (where gradients can accumulate); then
+    activations offloaded too (the floor).
+
+    >>> [(r.batch_size, r.checkpointing, r.activation_offload)
+    ...  for r in _floors(Recipe(batch_size=4), {}, True)]
+    [(4, 'full', False), (1, 'full', False), (1, 'full', True)]
+    """
+    if not recipe.is_training:
+        return [_apply(recipe, changes)]
+    trials = [dict(changes, **({"checkpointing": "full"} if checkpointable else {}))]
+    if recipe.batch_size > 1 and not (
+        changes.get("optimizer_in_backward") or recipe.optimizer_in_backward
+    ):
+        trials.append(
+            {**trials[-1], "batch_size": 1, "grad_accum": recipe.grad_accum * recipe.batch_size}
+        )
+    if not recipe.activation_offload:
+        trials.append({**trials[-1], "activation_offload": True})
+    return [_apply(recipe, trial) for trial in trials]
 
 
 def _weights_leave_room(estimate: Estimate) -> bool:

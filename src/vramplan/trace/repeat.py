@@ -170,12 +170,20 @@ class _Names:
     def __init__(self, run: BlockRun, blocks: int, full: int) -> None:
         self.run, self.blocks, self.full = run, blocks, full
         self.pattern = re.compile(rf"^{re.escape(run.path)}\.(\d+)(?=\.|$)")
+        self._normal: dict[str, str] = {}  # a trace names few modules, each many times
+        self._renamed: dict[tuple[str, int | None], str] = {}
 
     def index(self, module: str) -> int | None:
         match = self.pattern.match(module)
         return int(match.group(1)) if match else None
 
     def normal(self, module: str) -> str:
+        known = self._normal.get(module)
+        if known is None:
+            known = self._normal[module] = self._normalised(module)
+        return known
+
+    def _normalised(self, module: str) -> str:
         i = self.index(module)
         if i is None or i < self.run.start:
             return module
@@ -187,6 +195,12 @@ class _Names:
     def renamed(self, module: str, shift: int | None) -> str:
         """``module`` of the 3-block trace as named at full depth; ``shift`` moves a unit
         of the run (None: a module outside the run's middle)."""
+        known = self._renamed.get((module, shift))
+        if known is None:
+            known = self._renamed[module, shift] = self._moved_name(module, shift)
+        return known
+
+    def _moved_name(self, module: str, shift: int | None) -> str:
         i = self.index(module)
         if i is None or i < self.run.start:
             return module
