@@ -129,3 +129,26 @@ def test_no_lora_floor_is_traced_where_the_half_precision_weights_do_not_fit(tmp
     assert [names for names, _ in bases] == [("bf16 weights", "QLoRA")]
     lora_floor = _floors(recipe, {"precision": "bf16", **LORA, "loss_chunks": 8}, True)[-1]
     assert not bench.fits(lora_floor)
+
+
+def test_no_accumulation_trial_is_traced_where_weights_gradients_and_state_do_not_fit(tmp_path):
+    """The same wide Llama on a 1500 MiB card: its fp32 weights (631 MB) leave room, but
+    with their gradients and AdamW's two moments they hold four times that at every
+    micro-batch, past the usable line. The accumulation row is two micro-batches without a
+    trial traced, and tracing every trial finds none that fits."""
+    from vramplan.planner.levers import _accumulation_row, _accumulation_trials
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**PLAN_LLAMA, "vocab_size": 32000, "hidden_size": 2048}))
+    bench = Workbench(f"hf:{path}", device_options(gpu_memory="1500MiB"))
+    recipe = Recipe(batch_size=4, seq_len=64)
+    baseline = bench.estimate(recipe)
+    weights = baseline.model.parameter_bytes
+    assert weights < baseline.verdict.usable_bytes
+    resident = bench.resident_bytes(recipe)
+    assert resident == 4 * weights + baseline.model.buffer_bytes > baseline.verdict.usable_bytes
+    assert _accumulation_row(bench, recipe, baseline) == {"batch_size": 2, "grad_accum": 2}
+    assert bench.traces == 1
+    for trial in _accumulation_trials(recipe, {}):
+        traced = bench.estimate(recipe.with_changes(**trial))
+        assert traced.verdict.status != "fits" and traced.peak.allocated_bytes > resident

@@ -37,11 +37,14 @@ from vramplan.pipeline import (
     trace_and_estimate,
 )
 from vramplan.recipe import Recipe
-from vramplan.result import Estimate
+from vramplan.result import Component, Estimate, Phase
 from vramplan.sources import BuiltModel, resolve
 from vramplan.trace.events import FLOPS_KEY, Trace
 from vramplan.trace.materialize import unique_parameters
 from vramplan.trace.paged import paged_from_8bit
+
+RESIDENT = (Component.PARAMETERS, Component.BUFFERS, Component.GRADIENTS, Component.OPTIMIZER_STATE)
+"""What a step holds whatever its batch (``Workbench.resident_bytes``)."""
 
 
 def recipe_key(recipe: Recipe) -> str:
@@ -345,6 +348,31 @@ class Workbench:
         if engine_for(self.layout) is not None:
             return with_traced_layout(traced, self.layout)
         return per_rank(traced, self.layout, facts)
+
+    def resident_bytes(self, recipe: Recipe) -> int | None:
+        """Bytes every step that differs from ``recipe`` only in its micro-batch,
+        checkpointing or activation offloading holds at some moment: the parameters,
+        buffers, gradients and optimizer state alive as ``recipe``'s last optimizer step
+        begins (none of them depends on those levers), read off its trace. A floor under
+        their allocated peak, so under their device total: where it passes the usable line,
+        none of them fits. None where the verdict is not the trace's own (a layout applied
+        by formula, TensorFlow's runtime) or the step has no optimizer phase."""
+        if self.finish is not None or (
+            self.layout != ParallelLayout() and engine_for(self.layout) is None
+        ):
+            return None
+        trace = self.run(recipe)[1]
+        starts = [m.index for m in trace.phases if m.phase == Phase.OPTIMIZER]
+        if not recipe.is_training or not starts:
+            return None
+        moment = starts[-1]
+        return sum(
+            a.nbytes
+            for a in trace.allocations
+            if a.category in RESIDENT
+            and a.alloc_index < moment
+            and (a.free_index is None or a.free_index >= moment)
+        )
 
     def _traced_device(self, device: DeviceOptions | None = None) -> DeviceOptions:
         """``device`` (the bench's) as the trace sees it: the FSDP engine's ranks."""

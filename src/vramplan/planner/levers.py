@@ -296,11 +296,11 @@ def _halves(recipe: Recipe) -> dict | None:
     return {"batch_size": max(1, recipe.batch_size // 2), "grad_accum": recipe.grad_accum * 2}
 
 
-def _first_trials(recipe: Recipe, baseline: Estimate) -> list[dict]:
+def _first_trials(bench: Workbench, recipe: Recipe, baseline: Estimate) -> list[dict]:
     """The accumulation trials the table will trace first: the first two (two and three
     micro-batches, or four), or only two micro-batches, the table's row, where the weights
-    alone do not fit (``_accumulation_row``)."""
-    if _weights_leave_room(baseline):
+    or everything the step holds whatever its batch do not fit (``_accumulation_row``)."""
+    if _weights_leave_room(baseline) and not _resident_overflows(bench, recipe):
         return _accumulation_trials(recipe, {})[:2]
     halves = _halves(recipe)
     return [halves] if halves is not None and _accumulation_trials(recipe, {}) else []
@@ -309,9 +309,12 @@ def _first_trials(recipe: Recipe, baseline: Estimate) -> list[dict]:
 def _accumulation_row(bench: Workbench, recipe: Recipe, baseline: Estimate) -> dict | None:
     """The table's gradient accumulation: the fewest micro-batches that fit, else two (the
     lever's own figure). Where the weights alone do not fit (``baseline``'s, the same at
-    every micro-batch: they stay on the card), no micro-batch fits, so none is tried: the
-    verdict's high end is at least the device total, itself at least the weights."""
-    found = _accumulate(bench, recipe, {}) if _weights_leave_room(baseline) else None
+    every micro-batch: they stay on the card), or the weights with their gradients and
+    optimizer state (``_resident_overflows``), no micro-batch fits, so none is tried: the
+    verdict's high end is at least the device total, itself at least those bytes."""
+    found = None
+    if _weights_leave_room(baseline) and not _resident_overflows(bench, recipe):
+        found = _accumulate(bench, recipe, {})
     return found if found is not None else _halves(recipe)
 
 
@@ -427,7 +430,7 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
         candidates = [c for c in candidates if "checkpointing" not in c[1]]
     bench.prefetch(
         [_apply(recipe, changes) for _, changes, _ in candidates]
-        + [_apply(recipe, trial) for trial in _first_trials(recipe, baseline)]
+        + [_apply(recipe, trial) for trial in _first_trials(bench, recipe, baseline)]
     )
     levers = [
         _result(bench, recipe, name, changes, cost, baseline, throughput)
@@ -667,7 +670,12 @@ def _fitting_variants(
         return []
     elif offload and bench.fits(_apply(recipe, {**changes, **ckpt, **offload})):
         found.append(_selective(bench, recipe, {**changes, **ckpt, **offload}))
-    if can_accumulate and not _costs_more(bench, recipe, changes, throughput, found, best):
+    resident_fits = not _resident_overflows(bench, _apply(recipe, {**changes, **ckpt}))
+    if (
+        can_accumulate
+        and resident_fits
+        and not _costs_more(bench, recipe, changes, throughput, found, best)
+    ):
         for costed in ({**changes, **ckpt}, {**changes, **ckpt, **offload}):
             trial = _accumulate(bench, recipe, costed)
             if trial is not None:
@@ -682,7 +690,18 @@ def _viable(bench: Workbench, recipe: Recipe, changes: dict, checkpointable: boo
     then at one sample per micro-batch, and only then with activation offloading too (the
     floor: offloading with every block checkpointed is traced in stretches of five blocks
     or whole, the dearest trace of a plan, needed only where nothing lighter fits)."""
-    return any(bench.fits(trial) for trial in _floors(recipe, changes, checkpointable))
+    first, *heavier = _floors(recipe, changes, checkpointable)
+    if bench.fits(first):
+        return True
+    return not _resident_overflows(bench, first) and any(bench.fits(t) for t in heavier)
+
+
+def _resident_overflows(bench: Workbench, recipe: Recipe) -> bool:
+    """Whether what ``recipe``'s step holds whatever its micro-batch, checkpointing or
+    offloading (``Workbench.resident_bytes``: weights, gradients, optimizer state) is past
+    the usable line by itself: then no such variant fits, and none is traced."""
+    resident = bench.resident_bytes(recipe)
+    return resident is not None and resident > bench.estimate(recipe).verdict.usable_bytes
 
 
 def _floors(recipe: Recipe, changes: dict, checkpointable: bool) -> list[Recipe]:
