@@ -117,7 +117,9 @@ def _mixed_precision(bench: Workbench) -> str:
 
 
 def _candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]]:
-    """(name, recipe changes, cost) of each lever that applies, in the standard order."""
+    """(name, recipe changes, cost) of each full-training lever that applies, in the
+    standard order (read off the recipe and the built model: nothing is traced for them;
+    the fine-tuning levers, which need the step's verdict, follow them)."""
     found = []
     if recipe.precision == "fp32":
         amp = _mixed_precision(bench)
@@ -173,7 +175,7 @@ def _candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]
                 {"note": "drops the momentum buffer; changes the optimisation"},
             )
         )
-    return found + _trick_candidates(bench, recipe) + _finetune_candidates(bench, recipe)
+    return found + _trick_candidates(bench, recipe)
 
 
 def _trick_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]]:
@@ -219,7 +221,7 @@ def _trick_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict,
     if (
         bench.model.startswith("hf:")
         and not (recipe.loss_chunks or recipe.fused_ce or recipe.loss_shift_copy)
-        and bench.estimate(recipe).model.kind == "causal-lm"
+        and bench.built(recipe).kind == "causal-lm"
     ):
         found.append(
             (
@@ -419,17 +421,26 @@ def _result(
 
 
 def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
-    """Every lever alone, ranked in the standard order, then the first plan that fits."""
-    baseline = bench.estimate(recipe)
-    throughput = Throughput(bench) if recipe.is_training else None
-    if throughput is not None:
-        throughput.count(recipe, step_flops(bench, recipe))
+    """Every lever alone, ranked in the standard order, then the first plan that fits.
+    The step as it is, each lever and two micro-batches are traced side by side where
+    workers run; the trials that need the step's figures follow."""
     candidates = _candidates(bench, recipe)
     wants_blocks = any("checkpointing" in changes for _, changes, _ in candidates)
     if wants_blocks and not bench.built(recipe).blocks:  # nothing repeats: no blocks
         candidates = [c for c in candidates if "checkpointing" not in c[1]]
+    halves = _halves(recipe) if recipe.is_training and _accumulation_trials(recipe, {}) else None
     bench.prefetch(
-        [_apply(recipe, changes) for _, changes, _ in candidates]
+        [recipe, *(_apply(recipe, changes) for _, changes, _ in candidates)]
+        + ([_apply(recipe, halves)] if halves is not None else [])
+    )
+    baseline = bench.estimate(recipe)
+    throughput = Throughput(bench) if recipe.is_training else None
+    if throughput is not None:
+        throughput.count(recipe, step_flops(bench, recipe))
+    finetuning = _finetune_candidates(bench, recipe)
+    candidates += finetuning
+    bench.prefetch(
+        [_apply(recipe, changes) for _, changes, _ in finetuning]
         + [_apply(recipe, trial) for trial in _first_trials(bench, recipe, baseline)]
     )
     levers = [
@@ -619,8 +630,8 @@ def _cheapest(
         ]
     )
     for names, base in tier.bases:
-        leanest = (_merged(base, free) for free in tier.leanest)
-        if not any(_viable(bench, recipe, changes, checkpointable) for changes in leanest):
+        leanest = [_merged(base, free) for free in tier.leanest]
+        if not _viable(bench, recipe, leanest, checkpointable):
             continue  # the leanest free levers with every costed one do not fit: none do
         for free in tier.free:
             changes = _merged(base, free)
@@ -666,7 +677,7 @@ def _fitting_variants(
     found = []
     if ckpt and bench.fits(_apply(recipe, {**changes, **ckpt})):
         found.append(_selective(bench, recipe, {**changes, **ckpt}))
-    elif not _viable(bench, recipe, changes, checkpointable):
+    elif not _viable(bench, recipe, [changes], checkpointable):
         return []
     elif offload and bench.fits(_apply(recipe, {**changes, **ckpt, **offload})):
         found.append(_selective(bench, recipe, {**changes, **ckpt, **offload}))
@@ -684,16 +695,26 @@ def _fitting_variants(
     return found
 
 
-def _viable(bench: Workbench, recipe: Recipe, changes: dict, checkpointable: bool) -> bool:
-    """Whether ``changes`` fit with some costed lever, asking the lightest traces first:
-    every block recomputed at the user's batch (``_fitting_variants`` asks for it next),
-    then at one sample per micro-batch, and only then with activation offloading too (the
-    floor: offloading with every block checkpointed is traced in stretches of five blocks
-    or whole, the dearest trace of a plan, needed only where nothing lighter fits)."""
-    first, *heavier = _floors(recipe, changes, checkpointable)
-    if bench.fits(first):
-        return True
-    return not _resident_overflows(bench, first) and any(bench.fits(t) for t in heavier)
+def _viable(bench: Workbench, recipe: Recipe, options: list[dict], checkpointable: bool) -> bool:
+    """Whether any of ``options`` (changes) fits with some costed lever, asking the
+    lightest traces first (``_floors``): every block recomputed at the user's batch
+    (``_fitting_variants`` asks for it next), then at one sample per micro-batch, and only
+    then with activation offloading too (the floor: offloading with every block
+    checkpointed is traced in stretches of five blocks or whole, the dearest trace of a
+    plan, needed only where nothing lighter fits). The options climb their ladders
+    together, each round traced side by side where workers run; an option whose weights,
+    gradients and state pass the line alone (``_resident_overflows``) climbs no further."""
+    ladders = [_floors(recipe, changes, checkpointable) for changes in options]
+    while ladders:
+        bench.prefetch([ladder[0] for ladder in ladders])
+        climbing = []
+        for first, *heavier in ladders:
+            if bench.fits(first):
+                return True
+            if heavier and not _resident_overflows(bench, first):
+                climbing.append(heavier)
+        ladders = climbing
+    return False
 
 
 def _resident_overflows(bench: Workbench, recipe: Recipe) -> bool:
