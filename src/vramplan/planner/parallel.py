@@ -29,6 +29,7 @@ import multiprocessing
 import os
 import sys
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 from vramplan.trace.repeat_plan import family
@@ -65,9 +66,8 @@ _BENCH: Workbench | None = None
 
 def default_jobs() -> int:
     """The processes ``plan`` and ``max-batch`` trace with when ``--jobs`` is not given: the
-    cores this process may run on that are not busy already (less the one-minute load
-    average, as ``make --load-average`` reads it), at least 1 and at most ``MAX_JOBS``. A
-    worker on a busy core only slows the others down.
+    cores this process may run on that are not busy now (``busy_cores``), at least 1 and
+    at most ``MAX_JOBS``. A worker on a busy core only slows the others down.
 
     >>> 1 <= default_jobs() <= MAX_JOBS
     True
@@ -76,11 +76,31 @@ def default_jobs() -> int:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux
         cores = os.cpu_count() or 1
+    return max(1, min(round(cores - busy_cores()), MAX_JOBS))
+
+
+def busy_cores(loadavg: str = "/proc/loadavg") -> float:
+    """Other processes running now: the kernel's count of runnable tasks (the fourth field
+    of ``/proc/loadavg``, ``running/total``) less this one. The one-minute load average,
+    as ``make --load-average`` reads it, lags a minute behind: right after a long
+    command it still counts that command's core as busy. Where the count cannot be read
+    (not Linux), the load average; 0 where neither can.
+
+    >>> import tempfile, pathlib
+    >>> sample = pathlib.Path(tempfile.mkdtemp()) / "loadavg"
+    >>> _ = sample.write_text("0.97 0.91 0.88 3/412 7781")
+    >>> busy_cores(str(sample))
+    2
+    """
     try:
-        busy = os.getloadavg()[0]
+        running = int(Path(loadavg).read_text().split()[3].split("/")[0])
+        return max(0, running - 1)
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.getloadavg()[0]
     except OSError:  # no load average here
-        busy = 0.0
-    return max(1, min(round(cores - busy), MAX_JOBS))
+        return 0.0
 
 
 def can_fork() -> bool:
