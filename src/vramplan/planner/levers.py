@@ -681,10 +681,9 @@ def _fitting_variants(
         return []
     elif offload and bench.fits(_apply(recipe, {**changes, **ckpt, **offload})):
         found.append(_selective(bench, recipe, {**changes, **ckpt, **offload}))
-    resident_fits = not _resident_overflows(bench, _apply(recipe, {**changes, **ckpt}))
     if (
         can_accumulate
-        and resident_fits
+        and not _resident_overflows(bench, _apply(recipe, {**changes, **ckpt}))
         and not _costs_more(bench, recipe, changes, throughput, found, best)
     ):
         for costed in ({**changes, **ckpt}, {**changes, **ckpt, **offload}):
