@@ -302,7 +302,7 @@ def _first_trials(bench: Workbench, recipe: Recipe, baseline: Estimate) -> list[
     """The accumulation trials the table will trace first: the first two (two and three
     micro-batches, or four), or only two micro-batches, the table's row, where the weights
     or everything the step holds whatever its batch do not fit (``_accumulation_row``)."""
-    if _weights_leave_room(baseline) and not _resident_overflows(bench, recipe):
+    if _micro_batches_may_fit(bench, recipe, baseline):
         return _accumulation_trials(recipe, {})[:2]
     halves = _halves(recipe)
     return [halves] if halves is not None and _accumulation_trials(recipe, {}) else []
@@ -315,9 +315,16 @@ def _accumulation_row(bench: Workbench, recipe: Recipe, baseline: Estimate) -> d
     optimizer state (``_resident_overflows``), no micro-batch fits, so none is tried: the
     verdict's high end is at least the device total, itself at least those bytes."""
     found = None
-    if _weights_leave_room(baseline) and not _resident_overflows(bench, recipe):
+    if _micro_batches_may_fit(bench, recipe, baseline):
         found = _accumulate(bench, recipe, {})
     return found if found is not None else _halves(recipe)
+
+
+def _micro_batches_may_fit(bench: Workbench, recipe: Recipe, baseline: Estimate) -> bool:
+    """Whether a smaller micro-batch of ``recipe`` (``baseline``, its estimate) may fit:
+    not where its weights alone, or its weights, gradients and optimizer state, pass the
+    usable line (the same at every micro-batch)."""
+    return _weights_leave_room(baseline) and not _resident_overflows(bench, recipe)
 
 
 def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
