@@ -365,14 +365,8 @@ class Workbench:
         starts = [m.index for m in trace.phases if m.phase == Phase.OPTIMIZER]
         if not recipe.is_training or not starts:
             return None
-        moment = starts[-1]
-        return sum(
-            a.nbytes
-            for a in trace.allocations
-            if a.category in RESIDENT
-            and a.alloc_index < moment
-            and (a.free_index is None or a.free_index >= moment)
-        )
+        held = trace.live_at(starts[-1] - 1)  # alive as the last optimizer step begins
+        return sum(a.nbytes for a in held if a.category in RESIDENT)
 
     def _traced_device(self, device: DeviceOptions | None = None) -> DeviceOptions:
         """``device`` (the bench's) as the trace sees it: the FSDP engine's ranks."""
