@@ -8,10 +8,12 @@ Errors a user can cause print one line on stderr and exit with code 2::
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import os
 import sys
 import warnings
+from typing import NoReturn
 
 import typer
 
@@ -74,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     collector is off until the first trace (``collector``). Run as the script (no
     ``argv``), a command that traces goes to the warm daemon of this environment where one
     listens (``vramplan daemon start``; under ``VRAMPLAN_DAEMON=auto`` one is started after a
-    command that found none)."""
+    command that found none); the script's process then ends at once (``_leave``)."""
     environ = dict(os.environ)  # as the user set it: the libraries may add to it
     if argv is None and (code := forward(sys.argv[1:], environ)) is not None:
         return code
@@ -89,7 +91,21 @@ def main(argv: list[str] | None = None) -> int:
         if text not in seen:
             seen.add(text)
             print(f"vramplan: warning: {text}", file=sys.stderr)
+    if argv is None:
+        _leave(code)
     return code
+
+
+def _leave(code: int) -> NoReturn:
+    """End the script's process with ``code`` without the interpreter's teardown, its output
+    flushed: freeing torch's and the model library's objects one by one took 1.5 s after
+    ``estimate hf:meta-llama-3-8b --seq-len 4096`` (a quarter of the command) and 2.6 s
+    after its ``plan``, and nothing of vramplan's waits for it (its files are closed, its
+    workers stopped, a daemon it starts runs on its own)."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe: nothing more to say
+            stream.flush()
+    os._exit(code)
 
 
 def _run(argv: list[str] | None) -> int:
