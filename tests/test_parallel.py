@@ -87,23 +87,28 @@ def test_the_search_trials_of_several_jobs_cover_what_bisection_tries():
 
 
 _SHARED_SCRIPT = """
-import json, sys
+import json, os, sys
+from vramplan.trace import repeat
 from vramplan.device.options import device_options
 from vramplan.planner.bench import Workbench
 from vramplan.recipe import Recipe
 
-model, jobs = sys.argv[1], int(sys.argv[2])
+model, jobs, log = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+cut = repeat.truncated
+
+def logged(model, run, blocks):  # one line per short trace, from whichever process
+    with open(log, "a") as file:
+        file.write(f"{os.getpid()} {blocks}\\n")
+    return cut(model, run, blocks)
+
+repeat.truncated = logged
 bench = Workbench(model, device_options(gpu_memory="941MiB"), shares_short_traces=True, jobs=jobs)
-made = []
-keep = bench.keep
-bench.keep = lambda *outcome: (made.append(len(outcome[-1])), keep(*outcome))
 recipes = [Recipe(batch_size=4, seq_len=256, checkpointing=n) for n in ("5", "11")]
 with bench.side_by_side(recipes[0]):
     bench.prefetch(recipes)
     estimates = [bench.estimate(r) for r in recipes]
 print(json.dumps({
-    "made": made,
-    "kept": len(bench.short_traces_made()),
+    "side_by_side": bench.log.side_by_side,
     "estimates": [
         [e.peak.to_json(), e.components, e.verdict.status] for e in estimates
     ],
@@ -113,25 +118,29 @@ print(json.dumps({
 
 @needs_fork
 def test_workers_share_the_short_traces_of_checkpointed_counts(tmp_path):
-    """Two counts of checkpointed blocks of a 16-block Llama traced side by side: the
-    first makes the five short traces of its family, the second is sent them and makes
-    none, and both estimates are those of tracing one recipe at a time."""
+    """Two counts of checkpointed blocks of a 16-block Llama traced side by side: the two
+    workers make the five short traces of their family between them, none twice (each
+    claims what it traces, ``shared_traces.py``), and both estimates are those of tracing
+    one recipe at a time."""
     from conftest import PLAN_LLAMA
 
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**PLAN_LLAMA, "num_hidden_layers": 16}))
 
-    def run(jobs: int) -> dict:
+    def run(jobs: int) -> tuple[dict, list[str]]:
+        log = tmp_path / f"short-traces-{jobs}.log"
         done = subprocess.run(
-            [sys.executable, "-c", _SHARED_SCRIPT, f"hf:{path}", str(jobs)],
+            [sys.executable, "-c", _SHARED_SCRIPT, f"hf:{path}", str(jobs), str(log)],
             capture_output=True,
             text=True,
             timeout=600,
         )
         assert done.returncode == 0, done.stderr
-        return json.loads(done.stdout)
+        return json.loads(done.stdout), log.read_text().split("\n")[:-1]
 
-    alone, side_by_side = run(1), run(2)
-    assert side_by_side["made"] == [5, 0]
-    assert side_by_side["kept"] == alone["kept"] == 5
+    (alone, traced_alone), (side_by_side, traced_side_by_side) = run(1), run(2)
+    assert len(traced_alone) == 5 and side_by_side["side_by_side"] == 2
+    assert sorted(line.split()[1] for line in traced_side_by_side) == sorted(
+        line.split()[1] for line in traced_alone
+    )  # the same five short traces, none twice
     assert side_by_side["estimates"] == alone["estimates"]

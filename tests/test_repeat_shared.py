@@ -76,6 +76,30 @@ def test_checkpointed_counts_share_short_traces(llama, monkeypatch):
     )
 
 
+@pytest.mark.parametrize("count", ["8", "9"])
+def test_a_short_plain_stretch_is_rebuilt_from_the_shared_traces(llama, monkeypatch, count):
+    """Checkpointing 8 or 9 of 11 blocks leaves a plain stretch of 3 or 2 blocks, too
+    short to check on its own: after 5 of 11 (whose short traces and check hold 2 to 4
+    units of each stretch) it is rebuilt from them, with no trace of its own, and equals
+    the full trace."""
+    calls = []
+    real = step.trace_training
+    monkeypatch.setattr(
+        "vramplan.pipeline.trace_training", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    spec = llama(11)
+    bench = _bench(spec, repeat=True)
+    bench.estimate(Recipe(batch_size=2, seq_len=32, checkpointing="5"))
+    first = len(calls)
+    recipe = Recipe(batch_size=2, seq_len=32, checkpointing=count)
+    shared, rebuilt = bench.run(recipe)
+    assert first > 0 and len(calls) == first
+    full, traced = _bench(spec, repeat=False).run(recipe)
+    assert same_events(rebuilt, traced) and rebuilt.op_counts == traced.op_counts
+    assert shared.peak.allocated_bytes == full.peak.allocated_bytes
+    assert shared.components == full.components
+
+
 def test_recompute_flops_are_the_whole_depths(llama):
     """FlopCounterMode over a trace of every block is the ground truth (checkpointed: the
     recomputed forward counted too)."""

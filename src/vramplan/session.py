@@ -154,7 +154,9 @@ class Session:
         self._bench: Workbench | None = None
         if jobs is not None and jobs < 1:
             raise UserError(f"--jobs must be 1 or more, not {jobs}")
-        self.jobs = default_jobs() if jobs is None else jobs
+        self.jobs = jobs
+        """Processes ``plan`` and ``max-batch`` trace in; None: ``default_jobs()``, read as
+        the first of them starts (the cores free then, not when the session was made)."""
         self.log = TraceLog(progress)
         """Every trace this session ran, with its label and seconds."""
 
@@ -387,14 +389,17 @@ class Session:
         if default_gpu is not None and self.device.gpu is None:
             options = replace(self.device, gpu=lookup_gpu(default_gpu))
             bench = Workbench(
-                self.name, options, build, self.log, self._runtime_finish(), jobs=self.jobs
+                self.name, options, build, self.log, self._runtime_finish(), jobs=self._jobs()
             )
             return bench.under(layout)
         if self._bench is None:
             self._bench = Workbench(
-                self.name, self.device, build, self.log, self._runtime_finish(), jobs=self.jobs
+                self.name, self.device, build, self.log, self._runtime_finish(), jobs=self._jobs()
             )
         return self._bench.under(layout)
+
+    def _jobs(self) -> int:
+        return default_jobs() if self.jobs is None else self.jobs
 
     def _runtime_finish(self):
         """TensorFlow's runtime over each traced step when ``framework="tensorflow"``, so

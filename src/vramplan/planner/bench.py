@@ -11,6 +11,7 @@ each one starts and ends (the command line's progress line, ``report/progress.py
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from collections.abc import Callable, Iterator
@@ -221,35 +222,46 @@ class Workbench:
         """Traces that can run at once now: the live workers of ``side_by_side``, or 1."""
         return self._workers.jobs if self._workers is not None and self._workers.pool else 1
 
-    def prefetch(self, recipes: list[Recipe]) -> int:
-        """Trace the ``recipes`` not traced yet side by side in the workers of
-        ``side_by_side`` (none outside it), so that asking for them afterwards costs no
-        trace; how many were traced so."""
+    def prefetch(self, recipes: list[Recipe], ahead: list[Recipe] | None = None) -> None:
+        """Start tracing the ``recipes`` not traced yet in the workers of ``side_by_side``
+        (none outside it), and as many of ``ahead`` (recipes likely asked for next,
+        likeliest first) as workers come free for; asking for them afterwards waits for
+        their worker. A single recipe to trace is traced here, now, beside them."""
         if self._workers is None:
-            return 0
-        wanted = [self._read_off(r) or r for r in recipes]
-        pending = {self.key(r): r for r in wanted if self.key(r) not in self._done}
-        return self._workers.trace(list(pending.values()))
+            return
+        left = self._workers.trace(self._sources(recipes), self._sources(ahead or []))
+        if left is not None:
+            self.run(left)
+
+    def _sources(self, recipes: list[Recipe]) -> list[Recipe]:
+        """The recipes traced for ``recipes`` (a paged optimizer's is read off another)."""
+        return [self._read_off(r) or r for r in recipes]
+
+    def has(self, key: str) -> bool:
+        """Whether the recipe cached under ``key`` (``Workbench.key``) has been traced."""
+        return key in self._done
 
     def keep(
-        self,
-        recipe: Recipe,
-        estimate: Estimate,
-        trace: Trace,
-        label: str,
-        seconds: float,
-        short_traces: dict,
+        self, recipe: Recipe, estimate: Estimate, trace: Trace, label: str, seconds: float
     ) -> None:
-        """A recipe traced in a worker: its estimate and trace cached, its trace logged,
-        the short traces it made shared with the bench's next estimates."""
+        """A recipe traced in a worker: its estimate and trace cached, its trace logged."""
         self._done[self.key(recipe)] = estimate, trace
-        self._short_traces.update(short_traces)
         self.log.add(label, seconds)
         settle()
 
     def short_traces_made(self) -> dict:
         """The short traces of repeated blocks kept so far (``shares_short_traces``)."""
         return self._short_traces
+
+    def in_worker(self) -> None:
+        """This copy of the bench runs in one of its workers (``parallel.py``): it traces
+        what it is sent itself, with no workers of its own."""
+        self._workers = None
+
+    def use_short_traces(self, store: dict) -> None:
+        """Keep short traces in ``store`` from now on (a worker's, shared with the others:
+        ``parallel.py``)."""
+        self._short_traces = store
 
     def built(self, recipe: Recipe) -> BuiltModel:
         """The model built (on the meta device) for ``recipe``; with
@@ -278,6 +290,8 @@ class Workbench:
         """The estimate and trace of ``recipe`` as traced (traced once, then cached): one
         GPU's, or under an FSDP layout one rank's (``estimate`` gives the rank's figures)."""
         key = self.key(recipe)
+        if key not in self._done and self._workers is not None:
+            self._workers.wait(key)  # a worker traces it
         if key in self._done:
             return self._done[key]
         sibling = self._read_off(recipe)
@@ -290,18 +304,25 @@ class Workbench:
             engine = engine_for(self.layout)
             device = self._traced_device()
             what = "" if engine is None else f"FSDP rank of {engine.world_size}"
-            estimate, trace = self.timed(
-                recipe,
-                lambda: trace_and_estimate(
-                    self.built(recipe), recipe, "cuda", device, policy, engine
-                ),
-                what,
-            )
+            with self._tracing_here():
+                estimate, trace = self.timed(
+                    recipe,
+                    lambda: trace_and_estimate(
+                        self.built(recipe), recipe, "cuda", device, policy, engine
+                    ),
+                    what,
+                )
             if self.finish is not None:
                 estimate = self.finish(estimate, trace, device)
             self._done[key] = estimate, trace
         settle()  # the cache out of the collector's later passes
         return self._done[key]
+
+    def _tracing_here(self) -> contextlib.AbstractContextManager:
+        """Within it, the bench traces a recipe itself: its workers start one trace fewer
+        (``parallel.TraceWorkers``)."""
+        workers = self._workers
+        return workers.tracing_here() if workers is not None else contextlib.nullcontext()
 
     def _read_off(self, recipe: Recipe) -> Recipe | None:
         """The traced recipe ``recipe``'s step is read off exactly, if any: a paged 8-bit

@@ -268,9 +268,12 @@ def _apply(recipe: Recipe, changes: dict) -> Recipe:
 def _accumulate(bench: Workbench, recipe: Recipe, changes: dict) -> dict | None:
     """The fewest micro-batches k (k divides the batch) that make ``changes`` fit while
     keeping the effective batch (none with the optimizer step in backward, which cannot
-    accumulate)."""
-    for trial in _accumulation_trials(recipe, changes):
-        if bench.fits(_apply(recipe, trial)):
+    accumulate); the next trials are traced on the workers the current one leaves idle."""
+    trials = _accumulation_trials(recipe, changes)
+    recipes = [_apply(recipe, trial) for trial in trials]
+    for i, trial in enumerate(trials):
+        bench.prefetch([recipes[i]], ahead=recipes[i + 1 :])
+        if bench.fits(recipes[i]):
             return trial
     return None
 
@@ -327,14 +330,17 @@ def _micro_batches_may_fit(bench: Workbench, recipe: Recipe, baseline: Estimate)
     return _weights_leave_room(baseline) and not _resident_overflows(bench, recipe)
 
 
-def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
+def _selective(
+    bench: Workbench, recipe: Recipe, changes: dict, ahead: tuple[Recipe, ...] = ()
+) -> dict:
     """With checkpointing in ``changes``: the fewest leading blocks to recompute. The
     first round bisects; then memory falls about linearly with the blocks recomputed, so
     the line through the bracket's ends [does not fit, fits] predicts the boundary, traced
     with its neighbour where traces run side by side (bisecting again when a round did not
     halve the bracket, as ``search.py`` does for the batch). Not from no blocks at all:
     recomputing the first block saves several times what each further one does. The
-    answer is the count that fits with one fewer that does not: the same as bisecting."""
+    answer is the count that fits with one fewer that does not: the same as bisecting.
+    Workers a round leaves idle trace ``ahead`` (what is asked for next)."""
     if changes.get("checkpointing") != "full":
         return changes
     built = bench.built(recipe)  # one meta build tells the block count
@@ -354,7 +360,7 @@ def _selective(bench: Workbench, recipe: Recipe, changes: dict) -> dict:
             else _around(guess, low, high, bench.width)
         )
         trials = [_apply(recipe, {**changes, "checkpointing": str(n)}) for n in counts]
-        bench.prefetch(trials)
+        bench.prefetch(trials, ahead=list(ahead))
         for n, trial in zip(counts, trials, strict=True):
             points[n] = bench.estimate(trial).verdict.compared_bytes
         fitting = [n for n, trial in zip(counts, trials, strict=True) if bench.fits(trial)]
@@ -626,7 +632,8 @@ def _cheapest(
     checkpointable: bool,
 ) -> tuple[tuple[str, ...], dict, tuple[LeverResult, ...]] | None:
     """The fitting plan of ``tier`` with the least modelled step time: (base names,
-    changes, free levers kept)."""
+    changes, free levers kept). Each base with every block recomputed is traced first
+    (``_viable`` asks for it), its plain step and next floor on the workers left idle."""
     best: tuple[float, tuple[str, ...], dict, tuple[LeverResult, ...]] | None = None
     ckpt = {"checkpointing": "full"} if checkpointable else {}
     bench.prefetch(
@@ -634,11 +641,17 @@ def _cheapest(
             _apply(recipe, {**_merged(base, free), **ckpt})
             for _, base in tier.bases
             for free in tier.leanest
-        ]
+        ],
+        ahead=[trial for _, base in tier.bases for trial in _openers(recipe, tier, base, ckpt)],
     )
-    for names, base in tier.bases:
+    for i, (names, base) in enumerate(tier.bases):
         leanest = [_merged(base, free) for free in tier.leanest]
-        if not _viable(bench, recipe, leanest, checkpointable):
+        following = tuple(  # the next base's, on workers this one leaves idle
+            trial
+            for _, after in tier.bases[i + 1 : i + 2]
+            for trial in _openers(recipe, tier, after, ckpt)
+        )
+        if not _viable(bench, recipe, leanest, checkpointable, following):
             continue  # the leanest free levers with every costed one do not fit: none do
         for free in tier.free:
             changes = _merged(base, free)
@@ -657,6 +670,14 @@ def _cheapest(
     return _without_unneeded(bench, recipe, names, changes, free, tier)
 
 
+def _openers(recipe: Recipe, tier: _Tier, base: dict, ckpt: dict) -> list[Recipe]:
+    """What a base is asked for after every block recomputed at the user's batch: its
+    step with the tier's first free levers as they are (``_fitting_variants``), and with
+    each set of the leanest at the next floor (``_viable``)."""
+    floors = [_floors(recipe, _merged(base, free), bool(ckpt)) for free in tier.leanest]
+    return [_apply(recipe, _merged(base, tier.free[0])), *(f[1] for f in floors if len(f) > 1)]
+
+
 def _fitting_variants(
     bench: Workbench,
     recipe: Recipe,
@@ -668,7 +689,8 @@ def _fitting_variants(
     """The ways ``changes`` fit at the least cost each: as they are; at the user's batch
     with the fewest recomputed blocks, or all of them and activation offloading; with the
     fewest micro-batches (and the fewest recomputed blocks). Nothing when even every
-    costed lever at once does not fit."""
+    costed lever at once does not fit. Workers left idle trace the next ways ahead:
+    offloading, then the micro-batches."""
     training = recipe.is_training
     ckpt = {"checkpointing": "full"} if checkpointable else {}
     offload = {"activation_offload": True} if training and not recipe.activation_offload else {}
@@ -678,16 +700,31 @@ def _fitting_variants(
         and not changes.get("optimizer_in_backward")
         and not recipe.optimizer_in_backward
     )
-    bench.prefetch([_apply(recipe, changes), _apply(recipe, {**changes, **ckpt})])
+    micro_batches = [
+        _apply(recipe, trial)
+        for trial in (_accumulation_trials(recipe, {**changes, **ckpt}) if can_accumulate else [])
+    ]
+    offloaded = _apply(recipe, {**changes, **ckpt, **offload})
+    bench.prefetch(
+        [_apply(recipe, changes), _apply(recipe, {**changes, **ckpt})],
+        ahead=[offloaded] if offload else micro_batches,
+    )
     if bench.fits(_apply(recipe, changes)):
         return [changes]
     found = []
+
+    def selective(costed: dict) -> dict:  # the FLOPs its step time counts traced ahead
+        counted = throughput.counting(_apply(recipe, costed)) if throughput else []
+        return _selective(bench, recipe, costed, tuple(counted))
+
     if ckpt and bench.fits(_apply(recipe, {**changes, **ckpt})):
-        found.append(_selective(bench, recipe, {**changes, **ckpt}))
+        found.append(selective({**changes, **ckpt}))
     elif not _viable(bench, recipe, [changes], checkpointable):
         return []
-    elif offload and bench.fits(_apply(recipe, {**changes, **ckpt, **offload})):
-        found.append(_selective(bench, recipe, {**changes, **ckpt, **offload}))
+    elif offload:
+        bench.prefetch([offloaded], ahead=micro_batches)
+        if bench.fits(offloaded):
+            found.append(selective({**changes, **ckpt, **offload}))
     if (
         can_accumulate
         and not _resident_overflows(bench, _apply(recipe, {**changes, **ckpt}))
@@ -696,23 +733,33 @@ def _fitting_variants(
         for costed in ({**changes, **ckpt}, {**changes, **ckpt, **offload}):
             trial = _accumulate(bench, recipe, costed)
             if trial is not None:
-                found.append(_selective(bench, recipe, trial))
+                found.append(selective(trial))
                 break
     return found
 
 
-def _viable(bench: Workbench, recipe: Recipe, options: list[dict], checkpointable: bool) -> bool:
+def _viable(
+    bench: Workbench,
+    recipe: Recipe,
+    options: list[dict],
+    checkpointable: bool,
+    then: tuple[Recipe, ...] = (),
+) -> bool:
     """Whether any of ``options`` (changes) fits with some costed lever, asking the
     lightest traces first (``_floors``): every block recomputed at the user's batch
     (``_fitting_variants`` asks for it next), then at one sample per micro-batch, and only
     then with activation offloading too (the floor: offloading with every block
     checkpointed is traced in stretches of five blocks or whole, the dearest trace of a
     plan, needed only where nothing lighter fits). The options climb their ladders
-    together, each round traced side by side where workers run; an option whose weights,
+    together, each round traced side by side where workers run (the next rung, then
+    ``then``, on the workers it leaves idle; not the floor below micro-batches, which
+    costs more than the rest together); an option whose weights,
     gradients and state pass the line alone (``_resident_overflows``) climbs no further."""
     ladders = [_floors(recipe, changes, checkpointable) for changes in options]
+    dearest = [ladder[2] for ladder in ladders if len(ladder) > 2]  # offloaded micro-batches
     while ladders:
-        bench.prefetch([ladder[0] for ladder in ladders])
+        ahead = [ladder[1] for ladder in ladders if len(ladder) > 1 and ladder[1] not in dearest]
+        bench.prefetch([ladder[0] for ladder in ladders], ahead=[*ahead, *then])
         climbing = []
         for first, *heavier in ladders:
             if bench.fits(first):
@@ -795,13 +842,20 @@ def _without_unneeded(
     tier: _Tier,
 ) -> tuple[tuple[str, ...], dict, tuple[LeverResult, ...]]:
     """The plan without the free levers it fits without (the last to join dropped
-    first): fewer changes to make, the same modelled time."""
+    first): fewer changes to make, the same modelled time. The next trials are traced
+    ahead as if each lever stays (a plan that just fits needs them)."""
     base = next(b for n, b in tier.bases if n == names)
     costed = {k: changes[k] for k in COSTED_KEYS if k in changes}
     kept = list(free)
-    for lever in reversed(free):
+    for i, lever in enumerate(reversed(free)):
         trial = [f for f in kept if f is not lever]
-        if bench.fits(_apply(recipe, {**_merged(base, tuple(trial)), **costed})):
+        without = _apply(recipe, {**_merged(base, tuple(trial)), **costed})
+        ahead = [  # the next trials, should this lever stay
+            _apply(recipe, {**_merged(base, tuple(f for f in kept if f is not later)), **costed})
+            for later in list(reversed(free))[i + 1 :]
+        ]
+        bench.prefetch([without], ahead=ahead)
+        if bench.fits(without):
             kept = trial
     return names, {**_merged(base, tuple(kept)), **costed}, tuple(kept)
 

@@ -1,41 +1,47 @@
 """Traces of one workbench run side by side, in worker processes forked from it.
 
 ``plan`` and ``max-batch`` know several recipes they will need before they need them (the
-levers of the table, the floors of each base, a search's next candidates). Each trace is
-single-threaded Python, so on a machine with cores to spare those recipes are traced at
-once: workers forked from the bench trace a share of them each and send back each
-estimate with its trace (and the short traces of repeated blocks they made,
-``trace/repeat.py``). The answer is the same as tracing them one after another; only the
-wall-clock changes::
+levers of the table, the floors of each base, a search's next candidates), and others
+they may need next. Each trace is single-threaded Python, so on a machine with cores to
+spare those recipes are traced at once: workers forked from the bench trace them while
+the bench goes on, and send back each estimate with its trace when the bench asks for it.
+Recipes it may need are traced only on workers that would be idle. The bench and the
+workers share the short traces of repeated blocks they make (``shared_traces.py``): two
+counts of checkpointed blocks traced at once trace each short trace once. The answer is
+the same as tracing them one after another; only the wall-clock changes::
 
     with bench.side_by_side(Recipe(batch_size=8)):   # workers forked here, before any trace
         bench.prefetch([Recipe(batch_size=8), Recipe(batch_size=16)])
-        bench.estimate(Recipe(batch_size=16))   # already traced: no trace here
+        bench.estimate(Recipe(batch_size=16))   # waits for the worker tracing it
 
 The workers are forked before the bench traces anything: PyTorch's autograd engine
 refuses to run backward in a process forked after its parent ran one (its device threads
 do not survive a fork: https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork). A
 worker that finds its autograd unusable (a session that traced before) says so, and the
-bench goes on one trace at a time. Forking is used only on Linux; elsewhere, with one
-job, or for a single recipe, nothing runs here and the bench traces each recipe when it
-is asked for. A recipe whose trace fails in a worker is left to the bench, which traces it
-again and raises its error in the caller.
+bench goes on one trace at a time. Forking is used only on Linux; elsewhere, or with one
+job, nothing runs here and the bench traces each recipe when it is asked for. A recipe
+whose trace fails in a worker is left to the bench, which traces it again and raises its
+error in the caller.
 """
 
 from __future__ import annotations
 
-import json
+import contextlib
 import multiprocessing
 import os
+import shutil
 import sys
+import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from vramplan.trace.repeat_plan import family
+from vramplan.planner.shared_traces import ShortTraceStore
 
 if TYPE_CHECKING:
-    from multiprocessing.pool import Pool
+    from multiprocessing.pool import AsyncResult, Pool
 
     from vramplan.recipe import Recipe
 
@@ -51,7 +57,15 @@ class Workbench(Protocol):
 
     def label(self, recipe: Recipe) -> str: ...
 
+    def key(self, recipe: Recipe) -> str: ...
+
+    def has(self, key: str) -> bool: ...
+
     def short_traces_made(self) -> dict: ...
+
+    def use_short_traces(self, store: dict) -> None: ...
+
+    def in_worker(self) -> None: ...
 
 
 MAX_JOBS = 8
@@ -59,6 +73,10 @@ MAX_JOBS = 8
 of a 405B-parameter model's plan grows by a few hundred MiB)."""
 UNUSABLE = "autograd unusable after fork"
 """A worker's answer when its autograd engine refuses to run (see the module docstring)."""
+
+SAMPLES = 5
+SAMPLE_GAP = 0.004
+"""``busy_cores`` reads the runnable count this many times, this many seconds apart."""
 
 _BENCH: Workbench | None = None
 """The bench a forked worker traces with (set in the parent just before the fork)."""
@@ -79,12 +97,16 @@ def default_jobs() -> int:
     return max(1, min(round(cores - busy_cores()), MAX_JOBS))
 
 
-def busy_cores(loadavg: str = "/proc/loadavg") -> float:
+def busy_cores(loadavg: str = "/proc/loadavg", samples: int = SAMPLES) -> float:
     """Other processes running now: the kernel's count of runnable tasks (the fourth field
-    of ``/proc/loadavg``, ``running/total``) less this one. The one-minute load average,
-    as ``make --load-average`` reads it, lags a minute behind: right after a long
-    command it still counts that command's core as busy. Where the count cannot be read
-    (not Linux), the load average; 0 where neither can.
+    of ``/proc/loadavg``, ``running/total``) less this one, the least of ``samples``
+    readings ``SAMPLE_GAP`` seconds apart. One reading is an instant: a kernel thread or a
+    short process that happens to be runnable then counts as a busy core (a 2-core machine
+    would trace in one process); a process that keeps a core busy is runnable in every
+    reading. The one-minute load average, as ``make --load-average`` reads it, lags a
+    minute behind: right after a long command it still counts that command's core as
+    busy. Where the count cannot be read (not Linux), the load average; 0 where neither
+    can.
 
     >>> import tempfile, pathlib
     >>> sample = pathlib.Path(tempfile.mkdtemp()) / "loadavg"
@@ -93,8 +115,12 @@ def busy_cores(loadavg: str = "/proc/loadavg") -> float:
     2
     """
     try:
-        running = int(Path(loadavg).read_text().split()[3].split("/")[0])
-        return max(0, running - 1)
+        readings = []
+        for i in range(samples):
+            if i:
+                time.sleep(SAMPLE_GAP)
+            readings.append(int(Path(loadavg).read_text().split()[3].split("/")[0]))
+        return max(0, min(readings) - 1)
     except (OSError, ValueError, IndexError):
         pass
     try:
@@ -109,41 +135,124 @@ def can_fork() -> bool:
 
 
 class TraceWorkers:
-    """``jobs`` worker processes forked from ``bench`` (call before it traces anything)."""
+    """``jobs`` worker processes forked from ``bench`` (call before it traces anything).
+    Each recipe sent to them is traced while the bench goes on; the bench waits for it
+    only when it asks for it (``wait``). Recipes it may ask for later (``ahead``) start
+    as workers come free, never more at once than leave ``jobs`` processes tracing, the
+    bench's own trace counted (``tracing_here``)."""
 
     def __init__(self, bench: Workbench, jobs: int) -> None:
         global _BENCH
         self.bench = bench
         self.jobs = jobs
+        self.folder = Path(tempfile.mkdtemp(prefix="vramplan-short-traces-"))
+        """Where the bench and its workers share the short traces they make."""
+        bench.use_short_traces(ShortTraceStore(self.folder, bench.short_traces_made()))
+        self.running: dict[str, AsyncResult] = {}
+        """The recipes sent and not yet waited for, by the bench's key."""
+        self.queued: list[Recipe] = []
+        """Recipes the bench may ask for next, to start as workers come free."""
+        self.here = 0
+        """Traces the bench runs itself now (0 or 1)."""
+        self._lock = threading.Lock()  # the pool's result thread starts queued recipes too
         _BENCH = bench
         self.pool: Pool | None = multiprocessing.get_context("fork").Pool(jobs)
 
-    def trace(self, recipes: list[Recipe]) -> int:
-        """Trace ``recipes`` (none traced yet) in the workers, keeping each result in the
-        bench; how many were traced so. Each worker is sent the short traces of its
-        recipe's ``family`` that the bench holds, and a recipe whose family has none yet
-        waits for the first of its family in ``recipes`` to make them (``waves``)."""
-        if self.pool is None or len(recipes) < 2:
-            return 0
-        traced = 0
-        for wave in waves(recipes, self.bench.short_traces_made()):
-            kept = self.bench.short_traces_made()
-            tasks = [(recipe, shared(kept, recipe)) for recipe in wave]
-            for outcome in self.pool.imap(_trace_in_worker, tasks):
-                if outcome == UNUSABLE:
-                    self.close()  # this process traced before: one trace at a time from now on
-                    return traced
-                if outcome is not None:
-                    self.bench.keep(*outcome)
-                    traced += 1
-        return traced
+    def trace(self, recipes: list[Recipe], ahead: list[Recipe]) -> Recipe | None:
+        """Send the ``recipes`` the bench has not traced to the workers, and queue
+        ``ahead`` (recipes it may ask for next, likeliest first, in place of those queued
+        before) to start on workers that would otherwise be idle. A single recipe is left
+        to the bench, returned for it to trace at once (no result to send back) while a
+        worker traces one of ``ahead``."""
+        self.collect()
+        with self._lock:
+            if self.pool is None:
+                return None
+            needed = self._new(recipes)
+            if len(needed) > 1:
+                for recipe in needed:
+                    self._start(recipe)
+            self.queued = [r for r in self._new(ahead) if r not in needed]
+            self._fill(reserved=len(needed) == 1)
+            return needed[0] if len(needed) == 1 else None
+
+    def _new(self, recipes: list[Recipe]) -> list[Recipe]:
+        """``recipes`` neither traced nor running, once each."""
+        new: dict[str, Recipe] = {}
+        for recipe in recipes:
+            key = self.bench.key(recipe)
+            if not self.bench.has(key) and key not in self.running:
+                new.setdefault(key, recipe)
+        return list(new.values())
+
+    def _start(self, recipe: Recipe) -> None:
+        self.running[self.bench.key(recipe)] = self.pool.apply_async(
+            _trace_in_worker, (recipe,), callback=self._freed, error_callback=self._freed
+        )
+
+    def _fill(self, reserved: int = 0, finishing: int = 0) -> None:
+        """Start queued recipes on the workers free beside the running traces, the
+        bench's own and ``reserved`` more (``finishing``: running ones that have just
+        ended). Call with the lock held."""
+        busy = sum(not result.ready() for result in self.running.values()) - finishing
+        room = self.jobs - busy - self.here - reserved
+        while room > 0 and self.queued and self.pool is not None:
+            for recipe in self._new([self.queued.pop(0)]):
+                self._start(recipe)
+                room -= 1
+
+    def _freed(self, _outcome: object) -> None:
+        """In the pool's result thread, as a worker ends a trace: start a queued one."""
+        with self._lock:
+            self._fill(finishing=1)  # the ending result reads as running until this returns
+
+    @contextlib.contextmanager
+    def tracing_here(self) -> Iterator[None]:
+        """The bench traces a recipe itself within the block: one worker fewer starts."""
+        self.here = 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.here = 0
+                self._fill()
+
+    def wait(self, key: str) -> None:
+        """Wait for the recipe running under ``key`` (if any) and keep its result in the
+        bench; a trace that failed is left to the bench, which traces it again."""
+        with self._lock:
+            result = self.running.pop(key, None)
+        if result is not None and self._keep(result.get()) == UNUSABLE:
+            self.close()  # this process traced before: one trace at a time from now on
+
+    def collect(self) -> None:
+        """Keep the results that have come in."""
+        with self._lock:
+            ready = [key for key, result in self.running.items() if result.ready()]
+        for key in ready:
+            self.wait(key)
+
+    def _keep(self, outcome: tuple | str | None) -> tuple | str | None:
+        if isinstance(outcome, tuple):
+            self.bench.keep(*outcome)
+        return outcome
 
     def close(self) -> None:
+        """Keep the results that have come in, stop the workers (and the traces still
+        running: nothing asked for them) and remove the shared folder."""
         global _BENCH
-        if self.pool is not None:
-            self.pool.terminate()
-            self.pool.join()
-            self.pool = None
+        with self._lock:  # no queued recipe starts from here on
+            pool, self.pool = self.pool, None
+            self.queued = []
+            results, self.running = list(self.running.values()), {}
+        if pool is not None:
+            for result in results:
+                if result.ready():
+                    self._keep(result.get())
+            pool.terminate()
+            pool.join()
+        self.bench.use_short_traces(dict(self.bench.short_traces_made()))
+        shutil.rmtree(self.folder, ignore_errors=True)
         _BENCH = None
 
 
@@ -154,52 +263,15 @@ def start_workers(bench: Workbench, jobs: int) -> TraceWorkers | None:
     return TraceWorkers(bench, jobs)
 
 
-def _family(key: tuple) -> str | None:
-    """The ``repeat_plan.family`` of a short trace's key (its short recipe is the last
-    item, as ``trace/repeat.py`` keeps it)."""
-    return family(json.loads(key[-1]))
-
-
-def shared(kept: dict, recipe: Recipe) -> dict:
-    """The short traces in ``kept`` that ``recipe`` can use: those of its family."""
-    mine = family(recipe.to_json())
-    return {} if mine is None else {k: v for k, v in kept.items() if _family(k) == mine}
-
-
-def waves(recipes: list[Recipe], kept: dict) -> list[list[Recipe]]:
-    """``recipes`` in one or two waves: the second holds the recipes whose family has no
-    short traces in ``kept`` yet, save the first of each, which makes them (traced side
-    by side, each would trace the same short traces).
-
-    >>> from vramplan.recipe import Recipe
-    >>> [[r.checkpointing for r in wave] for wave in waves(
-    ...     [Recipe(checkpointing="11"), Recipe(checkpointing="21"), Recipe()], {})]
-    [['11', 'none'], ['21']]
-    """
-    known = {_family(key) for key in kept}
-    first: list[Recipe] = []
-    later: list[Recipe] = []
-    seen: set[str] = set()
-    for recipe in recipes:
-        mine = family(recipe.to_json())
-        if mine is None or mine in known or mine not in seen:
-            first.append(recipe)
-            seen.add(mine or "")
-        else:
-            later.append(recipe)
-    return [wave for wave in (first, later) if wave]
-
-
-def _trace_in_worker(task: tuple[Recipe, dict]) -> tuple[Any, ...] | str | None:
-    """In a worker: the recipe's estimate and trace, the label and seconds of the trace,
-    and the short traces made for it (beside those ``task`` brings: the recipe and the
-    short traces of its family the bench held); ``UNUSABLE`` when autograd cannot run in
-    this process; None when the trace failed (the bench retries it)."""
+def _trace_in_worker(recipe: Recipe) -> tuple[Any, ...] | str | None:
+    """In a worker: the recipe's estimate and trace, and the label and seconds of the
+    trace (its short traces are shared through the folder); ``UNUSABLE`` when autograd
+    cannot run in this process; None when the trace failed (the bench retries it)."""
     import torch
 
-    recipe, brought = task
     bench = _BENCH
     assert bench is not None  # inherited from the parent at the fork
+    bench.in_worker()  # a worker traces what it is sent itself
     bench.log.progress = None  # the parent reports each result
     torch.set_num_threads(1)  # the workers share the cores: no intra-op thread pools
     try:
@@ -207,13 +279,10 @@ def _trace_in_worker(task: tuple[Recipe, dict]) -> tuple[Any, ...] | str | None:
         (probe * 2).sum().backward()
     except RuntimeError:
         return UNUSABLE
-    bench.short_traces_made().update(brought)
-    already = set(bench.short_traces_made())
     start = time.perf_counter()
     try:
         estimate, trace = bench.run(recipe)
     except Exception:  # noqa: BLE001 - the parent traces it again and raises there
         return None
     seconds = time.perf_counter() - start
-    made = {k: v for k, v in bench.short_traces_made().items() if k not in already}
-    return recipe, estimate, trace, bench.label(recipe), seconds, made
+    return recipe, estimate, trace, bench.label(recipe), seconds

@@ -156,6 +156,13 @@ class Throughput:
         """Share FLOPs already counted for ``recipe`` (its whole traced run)."""
         self._flops.setdefault(_kind_key(recipe), flops / _samples_traced(recipe))
 
+    def counting(self, recipe: Recipe) -> list[Recipe]:
+        """The steps whose FLOPs ``step_time`` of ``recipe`` with some of its leading
+        blocks recomputed will count, those not counted yet (``_counted``: its kind's step
+        with no block and with every block recomputed), for tracing ahead."""
+        ends = [recipe.with_changes(checkpointing=mode) for mode in ("none", "full")]
+        return [_counted_as(end) for end in ends if _kind_key(end) not in self._flops]
+
     def _flops_per_sample(self, recipe: Recipe) -> float:
         mode = recipe.checkpointing
         if not mode.isdigit():
@@ -184,7 +191,7 @@ class Throughput:
         not (the counter counts matmuls, which a dequantized weight feeds the same)."""
         key = _kind_key(recipe)
         if key not in self._flops:
-            traced = recipe.with_changes(grad_accum=1, optimizer_in_backward=False)
+            traced = _counted_as(recipe)
             self._flops[key] = self.bench.flops(traced) / _samples_traced(traced)
         return self._flops[key]
 
@@ -200,6 +207,12 @@ class Throughput:
                 if isinstance(module, QuantizedLinear)
             )
         return self._dequantized[key]
+
+
+def _counted_as(recipe: Recipe) -> Recipe:
+    """The step whose FLOPs count for ``recipe``'s kind: one micro-step per iteration,
+    the optimizer step after the backward."""
+    return recipe.with_changes(grad_accum=1, optimizer_in_backward=False)
 
 
 def _samples_traced(recipe: Recipe) -> int:

@@ -827,26 +827,57 @@ class _Rebuilder:
     def __init__(self, built, recipe, run, parts, trace_model, kind) -> None:
         self.built, self.recipe, self.run, self.parts = built, recipe, run, parts
         self.trace_model, self.kind = trace_model, kind
-        self.expanding = [j for j, part in enumerate(parts) if part.expands]
+        shared = built.short_traces is not None
+        self.expanding = [  # shared, a short stretch is rebuilt from its family's traces too
+            j for j, part in enumerate(parts) if part.expands or (shared and part.units >= SHORT[0])
+        ]
         self.traces: dict[tuple[int, ...], Trace] = {}
         self.kept = built.short_traces if built.short_traces is not None else {}
-        self.reused = 0
+
+    def _blocks(self, units: tuple[int, ...]) -> int:
+        return sum(u * part.width for u, part in zip(units, self.parts, strict=True))
+
+    def _key(self, units: tuple[int, ...]) -> tuple:
+        shape = json.dumps(short_recipe(self.recipe, units).to_json(), sort_keys=True)
+        return (self.built.name, self.run, self._blocks(units), self.kind, shape)
 
     def short(self, units: tuple[int, ...]) -> Trace:
         if units not in self.traces:
-            blocks = sum(u * part.width for u, part in zip(units, self.parts, strict=True))
-            recipe = short_recipe(self.recipe, units)
-            shape = json.dumps(recipe.to_json(), sort_keys=True)
-            key = (self.built.name, self.run, blocks, self.kind, shape)
-            if key in self.kept:
-                self.reused += 1
-            else:
-                cut = truncated(self.built.model, self.run, blocks)
+            key = self._key(units)
+            if key not in self.kept:
+                cut = truncated(self.built.model, self.run, self._blocks(units))
                 self.kept[key] = self.trace_model(
-                    replace(self.built, model=cut, notes=list(self.built.notes)), recipe
+                    replace(self.built, model=cut, notes=list(self.built.notes)),
+                    short_recipe(self.recipe, units),
                 )
             self.traces[units] = self.kept[key]
         return self.traces[units]
+
+    def trace_shared(self) -> None:
+        """Where the kept short traces are shared with other processes (``claim``:
+        ``planner/shared_traces.py``), trace those of ``leaves`` no other process has
+        claimed, the longest first, then wait for the rest: workers tracing recipes of one
+        family side by side split its short traces. Nothing where they are not shared."""
+        claim = getattr(self.kept, "claim", None)
+        if claim is None:
+            return
+        claimed_elsewhere = []
+        for units in sorted(
+            set(leaves(self.parts, self.expanding)), key=self._blocks, reverse=True
+        ):
+            key = self._key(units)
+            if key in self.kept:
+                continue
+            if not claim(key):
+                claimed_elsewhere.append(key)
+                continue
+            try:
+                self.short(units)
+            except BaseException:
+                self.kept.release(key)  # the others trace it themselves
+                raise
+        for key in claimed_elsewhere:
+            self.kept.wait(key)
 
     def rebuilt(self, targets: dict[int, int]) -> Trace:
         """The trace with each long stretch ``j`` at ``targets[j]`` units."""
@@ -935,6 +966,7 @@ def repeat_built(
             )
     try:
         _check_recomputed(model, run, built, recipe)
+        rebuilder.trace_shared()
         check = {j: CHECK for j in rebuilder.expanding}
         wanted = tuple(CHECK if j in check else p.units for j, p in enumerate(parts))
         if not same_events(rebuilder.rebuilt(check), rebuilder.short(wanted)):
@@ -1001,19 +1033,35 @@ def _stash_units(recipe: Recipe, blocks: int) -> tuple[Segment, ...] | None:
     return parts
 
 
+def leaves(parts: tuple[Segment, ...], expanding: list[int] | None = None) -> list[tuple[int, ...]]:
+    """The units of each stretch in every short trace that rebuilds ``parts`` and checks
+    the rebuild: each stretch that expands (``expanding``; by default those longer than
+    ``CHECK``) at 2 and 3 units (every combination of them), then all of them at
+    ``CHECK``; the others as they are.
+
+    >>> leaves((Segment(1, 12), Segment(1, 3)))
+    [(2, 3), (3, 3), (4, 3)]
+    >>> leaves((Segment(1, 12), Segment(1, 3)), [0, 1])
+    [(2, 2), (2, 3), (3, 2), (3, 3), (4, 4)]
+    """
+    if expanding is None:
+        expanding = [j for j, part in enumerate(parts) if part.expands]
+    shapes: list[tuple[int, ...]] = [()]
+    for j, part in enumerate(parts):
+        counts = SHORT if j in expanding else (part.units,)
+        shapes = [(*shape, n) for shape in shapes for n in counts]
+    return [*shapes, tuple(CHECK if j in expanding else p.units for j, p in enumerate(parts))]
+
+
 def blocks_traced(parts: tuple[Segment, ...]) -> int:
-    """Blocks in all the short traces of ``parts`` (the check's included): each stretch
-    that expands at 2 and 3 units (every combination of them), then all at ``CHECK``.
+    """Blocks in all the short traces of ``parts`` (``leaves``, the check's included).
 
     >>> blocks_traced((Segment(5, 16),)), blocks_traced((Segment(1, 12), Segment(1, 20)))
     (45, 28)
     """
-    expanding = [j for j, part in enumerate(parts) if part.expands]
-    shapes = {()}
-    for j in expanding:
-        shapes = {(*shape, (j, n)) for shape in shapes for n in SHORT}
-    leaves = [dict(shape) for shape in shapes] + [dict.fromkeys(expanding, CHECK)]
-    return sum(sum(leaf.get(j, p.units) * p.width for j, p in enumerate(parts)) for leaf in leaves)
+    return sum(
+        sum(u * p.width for u, p in zip(units, parts, strict=True)) for units in leaves(parts)
+    )
 
 
 def _note(label: str, parts: tuple[Segment, ...], traces: int, why: str) -> str:

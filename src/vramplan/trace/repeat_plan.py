@@ -26,7 +26,9 @@ from vramplan.recipe import Recipe
 
 CHECK = 4
 """The depth (in units) also traced to check the pattern: rebuilt from 2 and 3 it must
-match. A stretch of at most this many units is traced as it is."""
+match. A stretch of at most this many units is traced as it is, save where short traces
+are shared (``plan``): there one of 2 or more units is rebuilt from the short traces its
+family shares, which the check at this depth proves."""
 
 
 @dataclass(frozen=True)
