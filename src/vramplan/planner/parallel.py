@@ -220,9 +220,13 @@ class TraceWorkers:
     def wait(self, key: str) -> None:
         """Wait for the recipe running under ``key`` (if any) and keep its result in the
         bench; a trace that failed is left to the bench, which traces it again."""
+        result = self.running.get(key)
+        if result is None:
+            return
+        outcome = result.get()  # its ``_freed`` has run: it counted as running there
         with self._lock:
-            result = self.running.pop(key, None)
-        if result is not None and self._keep(result.get()) == UNUSABLE:
+            self.running.pop(key, None)
+        if self._keep(outcome) == UNUSABLE:
             self.close()  # this process traced before: one trace at a time from now on
 
     def collect(self) -> None:
