@@ -3,6 +3,7 @@ checkpointed, some not): the rebuilt trace equals the full trace, event for even
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -12,6 +13,8 @@ from vramplan.device.options import device_options
 from vramplan.pipeline import trace_and_estimate
 from vramplan.recipe import Recipe
 from vramplan.sources import resolve
+from vramplan.sources.blocks import block_containers
+from vramplan.trace.repeat import find_run, shell, signature
 
 
 @pytest.fixture(autouse=True)
@@ -66,3 +69,63 @@ def test_a_frozen_embedding_under_offloading_repeats_in_units_of_the_stash(tmp_p
         "units of 2 blocks and 1 block (an offloaded block input stays on the card up to 2"
     )
     assert_same_estimate(full, repeated, note)
+
+
+@pytest.mark.parametrize(
+    "source,knobs",
+    [
+        ("llama", {}),
+        ("llama", {"lora_rank": 4, "lora_targets": "all-linear"}),
+        ("user", {"input_shape": (16,)}),
+    ],
+    ids=["hf", "hf-lora", "user-code"],
+)
+def test_checkpointing_a_shell_marks_what_a_deep_copy_marks_and_leaves_the_model(
+    tmp_path, source, knobs
+):
+    """``_check_recomputed`` switches checkpointing on in a ``shell`` of the model (new
+    modules sharing the tensors): the blocks come out as on a deep copy (the first two
+    recomputed, alike, the others alike), and the model's own modules keep every attribute
+    as it was (Hugging Face's flags and hooks, a user block's ``forward``)."""
+    if source == "llama":
+        path = tmp_path / "llama.json"
+        path.write_text(json.dumps(gqa_llama(6)))
+        spec = f"hf:{path}"
+    else:
+        path = tmp_path / "mlp.py"
+        path.write_text(
+            "from torch import nn\n"
+            "class Block(nn.Module):\n"
+            "    def __init__(self):\n"
+            "        super().__init__()\n"
+            "        self.fc = nn.Linear(16, 16)\n"
+            "    def forward(self, x):\n"
+            "        return nn.functional.relu(self.fc(x)) + x\n"
+            "def make():\n"
+            "    blocks = nn.Sequential(*[Block() for _ in range(6)])\n"
+            "    return nn.Sequential(blocks, nn.Linear(16, 4))\n"
+        )
+        spec = f"{path}:make"
+    recipe = Recipe(batch_size=2, seq_len=32 if source == "llama" else None, **knobs)
+    built = resolve(spec, recipe.with_changes(checkpointing="2"))
+    model = built.model
+    run = find_run(model, block_containers(model))
+
+    def blocks(copied):
+        return list(copied.get_submodule(run.path).children())[run.start : run.end]
+
+    def checkpointed(copied):
+        built.enable_checkpointing(copied, 2, 1, False)
+        return [signature(block) for block in blocks(copied)]
+
+    before = [(m, dict(vars(m))) for m in model.modules()]
+    marked = checkpointed(shell(model))
+    assert marked == checkpointed(copy.deepcopy(model))
+    assert marked[0] == marked[1] != marked[2] and len(set(marked[2:])) == 1
+    for module, attributes in before:
+        assert vars(module).keys() == attributes.keys()
+        assert all(vars(module)[k] is v for k, v in attributes.items())
+        assert all(
+            dict(v) == dict(attributes[k]) if isinstance(v, dict) else True
+            for k, v in vars(module).items()
+        )

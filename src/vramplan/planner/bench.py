@@ -108,6 +108,20 @@ class TraceEvent:
         return self.seconds is not None
 
 
+STEP_ONLY = (
+    "batch_size",
+    "grad_accum",
+    "checkpointing",
+    "activation_offload",
+    "optimizer",
+    "optimizer_impl",
+    "optimizer_in_backward",
+    "loss_chunks",
+    "zero_grad",
+)
+"""Recipe fields that change how a step runs and not the model built for it."""
+
+
 @dataclass
 class TraceLog:
     """Every trace a session runs, with what it was and how long it took (build, trace and
@@ -179,6 +193,8 @@ class Workbench:
     layout: ParallelLayout = field(default_factory=ParallelLayout)
     """The parallel layout every estimate is one rank of."""
     _facts: dict[str, ModelFacts] = field(default_factory=dict)
+    _read_only: dict[str, BuiltModel] = field(default_factory=dict)
+    """Meta builds kept to read (``model_of``)."""
 
     def __post_init__(self) -> None:
         if self.device.gpu is None:
@@ -201,14 +217,14 @@ class Workbench:
         """Within the block, ``prefetch`` traces in ``jobs`` worker processes forked here
         (``parallel.py``); call it before the bench traces anything. The model is built
         for the ``first`` recipe before the fork (no trace: imports and the meta build),
-        so that the workers start from it."""
+        so that the workers start from it (kept to read: ``model_of``)."""
         if self._workers is not None:
             yield
             return
         from vramplan.planner.parallel import start_workers
 
         if self.jobs > 1:
-            self.built(first)
+            self.model_of(first)
         self._workers = start_workers(self, self.jobs)
         try:
             yield
@@ -241,6 +257,11 @@ class Workbench:
         """Whether the recipe cached under ``key`` (``Workbench.key``) has been traced."""
         return key in self._done
 
+    def known(self, recipe: Recipe) -> bool:
+        """Whether ``recipe``'s estimate is at hand without a trace: traced, or read off
+        one traced (a paged optimizer's step)."""
+        return self.has(self.key(self._read_off(recipe) or recipe))
+
     def keep(
         self, recipe: Recipe, estimate: Estimate, trace: Trace, label: str, seconds: float
     ) -> None:
@@ -271,6 +292,25 @@ class Workbench:
         if self.shares_short_traces:
             built.short_traces = self._short_traces
         return built
+
+    def model_of(self, recipe: Recipe) -> BuiltModel:
+        """A meta build of ``recipe``'s model to read (its kind, blocks, trainable
+        parameters), built once for the recipes that differ only in how the step runs
+        (``STEP_ONLY``) and never traced: a trace changes the model it is given
+        (checkpointing, casts). A build of a large model takes seconds.
+
+        >>> from vramplan.device.options import device_options
+        >>> bench = Workbench("torchvision:resnet18", device_options(gpu="T4"))
+        >>> bench.model_of(Recipe(batch_size=2)) is bench.model_of(Recipe(batch_size=8))
+        True
+        """
+        data = recipe.to_json()
+        for name in STEP_ONLY:
+            data.pop(name, None)
+        key = json.dumps(data, sort_keys=True, default=str)
+        if key not in self._read_only:
+            self._read_only[key] = self.built(recipe)
+        return self._read_only[key]
 
     def under(self, layout: ParallelLayout) -> Workbench:
         """A bench of the same model and card whose estimates are ranks of ``layout``,
@@ -339,7 +379,7 @@ class Workbench:
         traced, or cached), summarised and replayed on the card as a trace of it would be;
         None where the sibling's first step is not the storages ``paged_from_8bit``
         expects, or the model brings its own optimizer."""
-        built = self.built(recipe)
+        built = self.model_of(recipe)
         if built.make_optimizer is not None:
             return None
         traced, trace = self.run(sibling)
@@ -378,9 +418,7 @@ class Workbench:
         their allocated peak, so under their device total: where it passes the usable line,
         none of them fits. None where the verdict is not the trace's own (a layout applied
         by formula, TensorFlow's runtime) or the step has no optimizer phase."""
-        if self.finish is not None or (
-            self.layout != ParallelLayout() and engine_for(self.layout) is None
-        ):
+        if not self._judged_on_trace():
             return None
         trace = self.run(recipe)[1]
         starts = [m.index for m in trace.phases if m.phase == Phase.OPTIMIZER]
@@ -388,6 +426,43 @@ class Workbench:
             return None
         held = trace.live_at(starts[-1] - 1)  # alive as the last optimizer step begins
         return sum(a.nbytes for a in held if a.category in RESIDENT)
+
+    def offloaded_floor_bytes(self, recipe: Recipe) -> int | None:
+        """A floor under the device total of ``recipe``'s step with activation offloading,
+        read off ``recipe``'s own trace. Offloading moves the tensors a forward pass saves
+        for backward to the host and changes nothing else of the step
+        (``trace/tricks.Offloader``): every storage but the activations is alive at the
+        same point of the same ops, and the same ops load the same kernels. So the most the
+        step holds at once besides its activations, with what the card holds outside the
+        allocator (the device total less the reserved bytes: the CUDA context, the
+        libraries' kernels), is under the offloaded step's device total. Where it passes
+        the usable line, that step does not fit. None where the verdict is not the trace's
+        own (``resident_bytes``).
+
+        With every block recomputed the activations are little of a step: an accumulating
+        step's weights and gradients, or mixed precision's cast weights, stay.
+        """
+        if not self._judged_on_trace():
+            return None
+        changes = []  # (event index, frees first, bytes)
+        for a in self.run(recipe)[1].allocations:
+            if a.category != Component.ACTIVATIONS:
+                changes.append((a.alloc_index, 1, a.nbytes))
+                if a.free_index is not None:
+                    changes.append((a.free_index, 0, -a.nbytes))
+        live = kept = 0
+        for _, _, nbytes in sorted(changes):
+            live += nbytes
+            kept = max(kept, live)
+        peak = self.estimate(recipe).peak
+        return kept + peak.device_total_bytes - peak.reserved_bytes
+
+    def _judged_on_trace(self) -> bool:
+        """Whether the verdict reads the trace's own figures (not a layout applied by
+        formula, not TensorFlow's runtime)."""
+        return self.finish is None and (
+            self.layout == ParallelLayout() or engine_for(self.layout) is not None
+        )
 
     def _traced_device(self, device: DeviceOptions | None = None) -> DeviceOptions:
         """``device`` (the bench's) as the trace sees it: the FSDP engine's ranks."""

@@ -221,7 +221,7 @@ def _trick_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict,
     if (
         bench.model.startswith("hf:")
         and not (recipe.loss_chunks or recipe.fused_ce or recipe.loss_shift_copy)
-        and bench.built(recipe).kind == "causal-lm"
+        and bench.model_of(recipe).kind == "causal-lm"
     ):
         found.append(
             (
@@ -343,7 +343,7 @@ def _selective(
     Workers a round leaves idle trace ``ahead`` (what is asked for next)."""
     if changes.get("checkpointing") != "full":
         return changes
-    built = bench.built(recipe)  # one meta build tells the block count
+    built = bench.model_of(recipe)  # one meta build tells the block count
     if built.enable_checkpointing is None or not built.blocks:
         return changes
     total = built.blocks
@@ -359,7 +359,7 @@ def _selective(
             if guess is None
             else _around(guess, low, high, bench.width)
         )
-        trials = [_apply(recipe, {**changes, "checkpointing": str(n)}) for n in counts]
+        trials = _counted(recipe, changes, counts)
         bench.prefetch(trials, ahead=list(ahead))
         for n, trial in zip(counts, trials, strict=True):
             points[n] = bench.estimate(trial).verdict.compared_bytes
@@ -368,6 +368,20 @@ def _selective(
         high = min(fitting, default=high)
         low = max((n for n in counts if n < high), default=low)
     return {**changes, "checkpointing": "full" if high == total else str(high)}
+
+
+def _first_round(bench: Workbench, recipe: Recipe, changes: dict) -> list[Recipe]:
+    """The counts of recomputed blocks ``_selective`` traces first for ``changes`` (with
+    every block recomputed): as many as traces run at once, splitting the blocks evenly."""
+    built = bench.model_of(recipe)
+    if built.enable_checkpointing is None or not built.blocks:
+        return []
+    return _counted(recipe, changes, _between(0, built.blocks, bench.width))
+
+
+def _counted(recipe: Recipe, changes: dict, counts: list[int]) -> list[Recipe]:
+    """``changes`` with each of ``counts`` leading blocks recomputed."""
+    return [_apply(recipe, {**changes, "checkpointing": str(n)}) for n in counts]
 
 
 def _boundary(points: dict[int, int], low: int, high: int, usable: int) -> int | None:
@@ -439,7 +453,7 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
     workers run; the trials that need the step's figures follow."""
     candidates = _candidates(bench, recipe)
     wants_blocks = any("checkpointing" in changes for _, changes, _ in candidates)
-    if wants_blocks and not bench.built(recipe).blocks:  # nothing repeats: no blocks
+    if wants_blocks and not bench.model_of(recipe).blocks:  # nothing repeats: no blocks
         candidates = [c for c in candidates if "checkpointing" not in c[1]]
     halves = _halves(recipe) if recipe.is_training and _accumulation_trials(recipe, {}) else None
     bench.prefetch(
@@ -675,7 +689,16 @@ def _openers(recipe: Recipe, tier: _Tier, base: dict, ckpt: dict) -> list[Recipe
     step with the tier's first free levers as they are (``_fitting_variants``), and with
     each set of the leanest at the next floor (``_viable``)."""
     floors = [_floors(recipe, _merged(base, free), bool(ckpt)) for free in tier.leanest]
-    return [_apply(recipe, _merged(base, tier.free[0])), *(f[1] for f in floors if len(f) > 1)]
+    nexts = [f[1] for f in floors if len(f) > 1 and not _dear(recipe, f[1])]
+    return [_apply(recipe, _merged(base, tier.free[0])), *nexts]
+
+
+def _dear(recipe: Recipe, rung: Recipe) -> bool:
+    """Whether ``rung`` offloads activations where ``recipe`` does not: offloading with
+    every block checkpointed is traced in stretches of five blocks or whole, the dearest
+    trace of a plan. It is traced when asked for, never ahead: where it is not needed, it
+    holds a worker a trace that is needed waits for."""
+    return rung.activation_offload and not recipe.activation_offload
 
 
 def _fitting_variants(
@@ -690,7 +713,8 @@ def _fitting_variants(
     with the fewest recomputed blocks, or all of them and activation offloading; with the
     fewest micro-batches (and the fewest recomputed blocks). Nothing when even every
     costed lever at once does not fit. Workers left idle trace the next ways ahead:
-    offloading, then the micro-batches."""
+    offloading, then the micro-batches; or, where every block recomputed is known to fit,
+    the first counts of the fewest (``_first_round``)."""
     training = recipe.is_training
     ckpt = {"checkpointing": "full"} if checkpointable else {}
     offload = {"activation_offload": True} if training and not recipe.activation_offload else {}
@@ -705,10 +729,12 @@ def _fitting_variants(
         for trial in (_accumulation_trials(recipe, {**changes, **ckpt}) if can_accumulate else [])
     ]
     offloaded = _apply(recipe, {**changes, **ckpt, **offload})
-    bench.prefetch(
-        [_apply(recipe, changes), _apply(recipe, {**changes, **ckpt})],
-        ahead=[offloaded] if offload else micro_batches,
-    )
+    checkpointed = _apply(recipe, {**changes, **ckpt})
+    if ckpt and bench.known(checkpointed) and bench.fits(checkpointed):
+        ahead = _first_round(bench, recipe, {**changes, **ckpt})  # then ``_selective``
+    else:
+        ahead = [offloaded] if offload else micro_batches
+    bench.prefetch([_apply(recipe, changes), checkpointed], ahead=ahead)
     if bench.fits(_apply(recipe, changes)):
         return [changes]
     found = []
@@ -721,7 +747,7 @@ def _fitting_variants(
         found.append(selective({**changes, **ckpt}))
     elif not _viable(bench, recipe, [changes], checkpointable):
         return []
-    elif offload:
+    elif offload and not _offload_overflows(bench, _apply(recipe, {**changes, **ckpt})):
         bench.prefetch([offloaded], ahead=micro_batches)
         if bench.fits(offloaded):
             found.append(selective({**changes, **ckpt, **offload}))
@@ -752,18 +778,22 @@ def _viable(
     checkpointed is traced in stretches of five blocks or whole, the dearest trace of a
     plan, needed only where nothing lighter fits). The options climb their ladders
     together, each round traced side by side where workers run (the next rung, then
-    ``then``, on the workers it leaves idle; not the floor below micro-batches, which
-    costs more than the rest together); an option whose weights,
-    gradients and state pass the line alone (``_resident_overflows``) climbs no further."""
+    ``then``, on the workers it leaves idle; not an offloaded one, which costs more
+    than the rest together: ``_dear``); an option whose weights,
+    gradients and state pass the line alone (``_resident_overflows``) climbs no further,
+    nor to offloading where what its step holds besides activations does
+    (``_offload_overflows``)."""
     ladders = [_floors(recipe, changes, checkpointable) for changes in options]
-    dearest = [ladder[2] for ladder in ladders if len(ladder) > 2]  # offloaded micro-batches
     while ladders:
-        ahead = [ladder[1] for ladder in ladders if len(ladder) > 1 and ladder[1] not in dearest]
+        ahead = [ladder[1] for ladder in ladders if len(ladder) > 1]
+        ahead = [rung for rung in ahead if not _dear(recipe, rung)]
         bench.prefetch([ladder[0] for ladder in ladders], ahead=[*ahead, *then])
         climbing = []
         for first, *heavier in ladders:
             if bench.fits(first):
                 return True
+            if heavier and heavier[0] == first.with_changes(activation_offload=True):
+                heavier = [] if _offload_overflows(bench, first) else heavier
             if heavier and not _resident_overflows(bench, first):
                 climbing.append(heavier)
         ladders = climbing
@@ -776,6 +806,14 @@ def _resident_overflows(bench: Workbench, recipe: Recipe) -> bool:
     the usable line by itself: then no such variant fits, and none is traced."""
     resident = bench.resident_bytes(recipe)
     return resident is not None and resident > bench.estimate(recipe).verdict.usable_bytes
+
+
+def _offload_overflows(bench: Workbench, recipe: Recipe) -> bool:
+    """Whether ``recipe``'s step with its activations offloaded cannot fit: the floor
+    under its device total (``Workbench.offloaded_floor_bytes``) is past the usable line.
+    Then it is not traced."""
+    floor = bench.offloaded_floor_bytes(recipe)
+    return floor is not None and floor > bench.estimate(recipe).verdict.usable_bytes
 
 
 def _floors(recipe: Recipe, changes: dict, checkpointable: bool) -> list[Recipe]:

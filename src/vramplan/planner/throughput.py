@@ -182,7 +182,7 @@ class Throughput:
     def _blocks(self, recipe: Recipe) -> int:
         key = _kind_key(recipe)
         if key not in self._block_counts:
-            self._block_counts[key] = self.bench.built(recipe).blocks or 1
+            self._block_counts[key] = self.bench.model_of(recipe).blocks or 1
         return self._block_counts[key]
 
     def _counted(self, recipe: Recipe) -> float:
@@ -200,7 +200,7 @@ class Throughput:
             return 0
         key = recipe_key(recipe.with_changes(batch_size=1, grad_accum=1))
         if key not in self._dequantized:
-            model = self.bench.built(recipe).model
+            model = self.bench.model_of(recipe).model
             self._dequantized[key] = sum(
                 2 * module.logical_numel * module.compute_dtype.itemsize
                 for module in model.modules()

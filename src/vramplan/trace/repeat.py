@@ -807,7 +807,7 @@ def _check_recomputed(model: nn.Module, run: BlockRun, built: BuiltModel, recipe
     checkpointing applied, blocks meant to recompute alike and the others alike."""
     if not recipe.is_training or recipe.checkpointing in ("none", "full", "op"):
         return
-    copied = copy.deepcopy(model)
+    copied = shell(model)
     built.enable_checkpointing(
         copied, recipe.checkpoint_blocks, recipe.checkpoint_every, recipe.checkpoint_ops
     )
@@ -818,6 +818,33 @@ def _check_recomputed(model: nn.Module, run: BlockRun, built: BuiltModel, recipe
             raise NotRepeatable("the checkpointed blocks are not the repeated ones")
     if len(seen) == 2 and seen[True] == seen[False]:
         raise NotRepeatable("checkpointing leaves no mark on the blocks")
+
+
+def shell(module: nn.Module, memo: dict[int, nn.Module] | None = None) -> nn.Module:
+    """A copy of ``module``'s tree to switch checkpointing on: new module objects with
+    their own attributes and containers (children, parameters, buffers, hooks), sharing
+    the tensors and every other value. Enabling checkpointing sets attributes and hooks
+    (Hugging Face's flags, a block's ``forward``), so the model is left as it was; a deep
+    copy of a large model copies hundreds of thousands of objects, this a few a module.
+
+    >>> block = nn.Sequential(nn.Linear(2, 2))
+    >>> copied = shell(block)
+    >>> copied[0].forward = None
+    >>> copied[0] is block[0], copied[0].weight is block[0].weight, "forward" in vars(block[0])
+    (False, True, False)
+    """
+    memo = {} if memo is None else memo
+    if id(module) in memo:  # a module held twice stays one
+        return memo[id(module)]
+    clone = memo[id(module)] = copy.copy(module)
+    attributes = vars(clone)
+    for name, value in list(attributes.items()):
+        if isinstance(value, (dict, set, list)):
+            attributes[name] = copy.copy(value)
+    children = attributes["_modules"]
+    for name, child in children.items():
+        children[name] = None if child is None else shell(child, memo)
+    return clone
 
 
 class _Rebuilder:
