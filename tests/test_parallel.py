@@ -144,3 +144,49 @@ def test_workers_share_the_short_traces_of_checkpointed_counts(tmp_path):
         line.split()[1] for line in traced_alone
     )  # the same five short traces, none twice
     assert side_by_side["estimates"] == alone["estimates"]
+
+
+_BUSY_SCRIPT = """
+import json, sys
+from vramplan.device.options import device_options
+from vramplan.planner.bench import Workbench
+from vramplan.recipe import Recipe
+
+bench = Workbench(sys.argv[1], device_options(gpu_memory="941MiB"), jobs=2)
+ahead, first, second = (Recipe(batch_size=b, seq_len=256) for b in (4, 2, 1))
+with bench.side_by_side(ahead):
+    workers = bench._workers
+    started = workers.trace([], [ahead])  # a worker takes what may be asked for next
+    left = workers.trace([first, second], [])  # one worker free for two: one stays here
+    sent = sorted(workers.running)
+    bench.run(left)
+    estimates = [bench.estimate(r) for r in (ahead, first, second)]
+print(json.dumps({
+    "started": started is None,
+    "left": left == second,
+    "sent": sent == sorted(bench.key(r) for r in (ahead, first)),
+    "in_workers": bench.log.side_by_side,
+    "statuses": [e.verdict.status for e in estimates],
+}))
+"""
+
+
+@needs_fork
+def test_the_bench_traces_one_itself_where_a_worker_still_traces_what_was_ahead(tmp_path):
+    """Two recipes asked for while one of two workers traces a recipe sent ahead: one goes
+    to the free worker, the other is left to the bench (it would only wait otherwise),
+    and every estimate comes back."""
+    from conftest import PLAN_LLAMA
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PLAN_LLAMA))
+    done = subprocess.run(
+        [sys.executable, "-c", _BUSY_SCRIPT, f"hf:{path}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["started"] and result["left"] and result["sent"]
+    assert result["in_workers"] == 2 and len(result["statuses"]) == 3

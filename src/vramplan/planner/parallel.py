@@ -163,18 +163,23 @@ class TraceWorkers:
         ``ahead`` (recipes it may ask for next, likeliest first, in place of those queued
         before) to start on workers that would otherwise be idle. A single recipe is left
         to the bench, returned for it to trace at once (no result to send back) while a
-        worker traces one of ``ahead``."""
+        worker traces one of ``ahead``; so is the last of several where workers still
+        tracing what was sent before (what was ahead) leave fewer free than they need: the
+        bench would only wait."""
         self.collect()
         with self._lock:
             if self.pool is None:
                 return None
             needed = self._new(recipes)
-            if len(needed) > 1:
-                for recipe in needed:
+            busy = sum(not result.ready() for result in self.running.values())
+            short = busy and len(needed) > self.jobs - busy
+            here = needed[-1] if len(needed) == 1 or short else None
+            for recipe in needed:
+                if recipe is not here:
                     self._start(recipe)
             self.queued = [r for r in self._new(ahead) if r not in needed]
-            self._fill(reserved=len(needed) == 1)
-            return needed[0] if len(needed) == 1 else None
+            self._fill(reserved=here is not None)
+            return here
 
     def _new(self, recipes: list[Recipe]) -> list[Recipe]:
         """``recipes`` neither traced nor running, once each."""
