@@ -153,18 +153,21 @@ from vramplan.planner.bench import Workbench
 from vramplan.recipe import Recipe
 
 bench = Workbench(sys.argv[1], device_options(gpu_memory="941MiB"), jobs=2)
-ahead, first, second = (Recipe(batch_size=b, seq_len=256) for b in (4, 2, 1))
+recipes = [Recipe(batch_size=b, seq_len=256) for b in (8, 4, 2, 1)]
+ahead, *asked = recipes
 with bench.side_by_side(ahead):
     workers = bench._workers
     started = workers.trace([], [ahead])  # a worker takes what may be asked for next
-    left = workers.trace([first, second], [])  # one worker free for two: one stays here
-    sent = sorted(workers.running)
+    left = workers.trace(asked, [])  # one worker free for three: the last stays here
+    sent = sorted(workers.running)  # three sent to two workers: one waits in the queue
+    nothing = workers.trace([], [])
     bench.run(left)
-    estimates = [bench.estimate(r) for r in (ahead, first, second)]
+    estimates = [bench.estimate(r) for r in recipes]
 print(json.dumps({
     "started": started is None,
-    "left": left == second,
-    "sent": sent == sorted(bench.key(r) for r in (ahead, first)),
+    "left": left == asked[-1],
+    "sent": sent == sorted(bench.key(r) for r in recipes[:3]),
+    "nothing": nothing is None,
     "in_workers": bench.log.side_by_side,
     "statuses": [e.verdict.status for e in estimates],
 }))
@@ -173,9 +176,10 @@ print(json.dumps({
 
 @needs_fork
 def test_the_bench_traces_one_itself_where_a_worker_still_traces_what_was_ahead(tmp_path):
-    """Two recipes asked for while one of two workers traces a recipe sent ahead: one goes
-    to the free worker, the other is left to the bench (it would only wait otherwise),
-    and every estimate comes back."""
+    """Three recipes asked for while one of two workers traces a recipe sent ahead: two
+    go to the workers, the last is left to the bench (it would only wait otherwise); with
+    more sent than workers, asking for nothing leaves nothing; every estimate comes
+    back."""
     from conftest import PLAN_LLAMA
 
     path = tmp_path / "config.json"
@@ -188,5 +192,5 @@ def test_the_bench_traces_one_itself_where_a_worker_still_traces_what_was_ahead(
     )
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["started"] and result["left"] and result["sent"]
-    assert result["in_workers"] == 2 and len(result["statuses"]) == 3
+    assert result["started"] and result["left"] and result["sent"] and result["nothing"]
+    assert result["in_workers"] == 3 and len(result["statuses"]) == 4

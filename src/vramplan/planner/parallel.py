@@ -171,9 +171,9 @@ class TraceWorkers:
             if self.pool is None:
                 return None
             needed = self._new(recipes)
-            busy = sum(not result.ready() for result in self.running.values())
-            short = busy and len(needed) > self.jobs - busy
-            here = needed[-1] if len(needed) == 1 or short else None
+            busy = sum(not result.ready() for result in self.running.values())  # or queued
+            short = busy and len(needed) > max(0, self.jobs - busy)
+            here = needed[-1] if needed and (len(needed) == 1 or short) else None
             for recipe in needed:
                 if recipe is not here:
                     self._start(recipe)
