@@ -152,3 +152,31 @@ def test_no_accumulation_trial_is_traced_where_weights_gradients_and_state_do_no
     for trial in _accumulation_trials(recipe, {}):
         traced = bench.estimate(recipe.with_changes(**trial))
         assert traced.verdict.status != "fits" and traced.peak.allocated_bytes > resident
+
+
+@pytest.mark.parametrize("card,traced", [("1611MiB", 1), ("2000MiB", 2)])
+def test_a_free_lever_is_kept_without_tracing_the_partly_checkpointed_trial(tmp_path, card, traced):
+    """A plan that recomputes 6 of 8 blocks and chunks its loss: without the chunks, every
+    block recomputed holds 1752 MiB at the high end. On a card whose line is under that
+    (1611 MiB: 1450), the chunks stay after one trace, the partly checkpointed trial is
+    not traced, and tracing it shows it would not fit either; where every block
+    recomputed fits (2000 MiB), the plan's own trial is traced and decides."""
+    from vramplan.planner.levers import LeverResult, _Tier, _without_unneeded
+
+    path = tmp_path / "config.json"
+    wide = {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 512}
+    path.write_text(json.dumps({**PLAN_LLAMA, "num_hidden_layers": 8, **wide}))
+    bench = Workbench(f"hf:{path}", device_options(gpu_memory=card))
+    recipe = Recipe(batch_size=4, seq_len=512)
+    chunked = LeverResult("chunked loss", {"loss_chunks": 8}, None, 0, {})
+    base = (("bf16 weights",), {"precision": "bf16"})
+    tier = _Tier((base,), ((chunked,),), ((chunked,),), True)
+    plan = {"precision": "bf16", "loss_chunks": 8, "checkpointing": "6"}
+    assert bench.fits(recipe.with_changes(**plan))
+    traces = bench.traces
+    names, changes, kept = _without_unneeded(bench, recipe, base[0], plan, (chunked,), tier)
+    assert kept == (chunked,) and changes == plan
+    assert bench.traces == traces + traced
+    unchunked = recipe.with_changes(precision="bf16", checkpointing="6")
+    assert bench.has(bench.key(unchunked)) == (traced == 2)
+    assert not bench.fits(unchunked)

@@ -880,20 +880,28 @@ def _without_unneeded(
     tier: _Tier,
 ) -> tuple[tuple[str, ...], dict, tuple[LeverResult, ...]]:
     """The plan without the free levers it fits without (the last to join dropped
-    first): fewer changes to make, the same modelled time. The next trials are traced
-    ahead as if each lever stays (a plan that just fits needs them)."""
+    first): fewer changes to make, the same modelled time. Where the plan recomputes
+    some blocks, each trial is traced first with every block recomputed: that step holds
+    less (memory falls as more blocks recompute, as ``_selective`` has it), so where it
+    does not fit, neither does the plan's, whose partly checkpointed trace costs several
+    times more. The next trials are traced ahead as if each lever stays (a plan that just
+    fits needs them)."""
     base = next(b for n, b in tier.bases if n == names)
     costed = {k: changes[k] for k in COSTED_KEYS if k in changes}
+    lighter = [costed]  # the checks of each trial, the lightest first
+    if str(costed.get("checkpointing", "")).isdigit():
+        lighter.insert(0, {**costed, "checkpointing": "full"})
+    first = lighter[0]
     kept = list(free)
     for i, lever in enumerate(reversed(free)):
         trial = [f for f in kept if f is not lever]
-        without = _apply(recipe, {**_merged(base, tuple(trial)), **costed})
-        ahead = [  # the next trials, should this lever stay
-            _apply(recipe, {**_merged(base, tuple(f for f in kept if f is not later)), **costed})
+        checks = [_apply(recipe, {**_merged(base, tuple(trial)), **c}) for c in lighter]
+        ahead = [  # the next trials' first checks, should this lever stay
+            _apply(recipe, {**_merged(base, tuple(f for f in kept if f is not later)), **first})
             for later in list(reversed(free))[i + 1 :]
         ]
-        bench.prefetch([without], ahead=ahead)
-        if bench.fits(without):
+        bench.prefetch(checks[:1], ahead=ahead)
+        if all(bench.fits(check) for check in checks):  # asked in turn: none after a miss
             kept = trial
     return names, {**_merged(base, tuple(kept)), **costed}, tuple(kept)
 
