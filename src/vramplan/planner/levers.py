@@ -343,10 +343,9 @@ def _selective(
     Workers a round leaves idle trace ``ahead`` (what is asked for next)."""
     if changes.get("checkpointing") != "full":
         return changes
-    built = bench.model_of(recipe)  # one meta build tells the block count
-    if built.enable_checkpointing is None or not built.blocks:
+    total = _recomputable(bench, recipe)
+    if not total:
         return changes
-    total = built.blocks
     full = bench.estimate(_apply(recipe, changes))
     points = {total: full.verdict.compared_bytes}
     low, high, width = 0, total, None  # high fits (full); find the smallest count that fits
@@ -370,13 +369,18 @@ def _selective(
     return {**changes, "checkpointing": "full" if high == total else str(high)}
 
 
+def _recomputable(bench: Workbench, recipe: Recipe) -> int:
+    """The blocks of ``recipe``'s model that recompute one by one (0 where none can):
+    one meta build tells."""
+    built = bench.model_of(recipe)
+    return built.blocks if built.enable_checkpointing is not None and built.blocks else 0
+
+
 def _first_round(bench: Workbench, recipe: Recipe, changes: dict) -> list[Recipe]:
     """The counts of recomputed blocks ``_selective`` traces first for ``changes`` (with
     every block recomputed): as many as traces run at once, splitting the blocks evenly."""
-    built = bench.model_of(recipe)
-    if built.enable_checkpointing is None or not built.blocks:
-        return []
-    return _counted(recipe, changes, _between(0, built.blocks, bench.width))
+    total = _recomputable(bench, recipe)
+    return _counted(recipe, changes, _between(0, total, bench.width)) if total else []
 
 
 def _counted(recipe: Recipe, changes: dict, counts: list[int]) -> list[Recipe]:
