@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import onednn_runs
 from torch import nn
 
 from vramplan.measurement.run import measure_built
@@ -210,6 +211,10 @@ def test_a_tiny_retinanet_at_batch_1_matches_a_real_cpu_step():
     assert traced == pytest.approx(real.allocated_bytes, rel=0.005)
 
 
+@pytest.mark.xfail(
+    onednn_runs("bf16"),
+    reason="oneDNN's bf16 convolutions on this CPU: not modelled yet (conftest.onednn_runs)",
+)
 @pytest.mark.parametrize("precision", ["bf16", "amp-bf16"])
 def test_bf16_convolutions_match_a_real_cpu_step(precision):
     """bf16 convolutions run oneDNN only on a CPU with its bf16 kernels (AVX512-BF16, AMX);

@@ -8,6 +8,7 @@ import json
 
 import pytest
 import torch
+from conftest import onednn_runs
 
 from vramplan import Recipe
 from vramplan.measurement.run import measure_built
@@ -101,6 +102,10 @@ def tiny_t5(tmp_path):
     return f"hf:{path}"
 
 
+@pytest.mark.xfail(
+    onednn_runs("fp16"),
+    reason="oneDNN's fp16 kernels on this CPU: not modelled yet (conftest.onednn_runs)",
+)
 def test_fp16_t5_trace_stores_wo_in_fp32_and_matches_a_real_cpu_run(tiny_t5):
     """Parameters: fp16 except ``wo`` (exact arithmetic); the peak of the traced step,
     whose forward upcasts the activations into ``wo``, equals a real CPU run's."""

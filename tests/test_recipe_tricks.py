@@ -196,7 +196,9 @@ def test_offloaded_bytes_equal_what_real_saved_tensor_hooks_see():
 def test_measured_offload_moves_what_the_trace_moves_and_keeps_the_gradients():
     """A measured run's offloader (no recorder) copies the same saved tensors to host
     memory as the traced one reports, and brings them back: the gradients equal a run
-    without offloading."""
+    without offloading, to the last bits a matrix product's kernel may change with its
+    inputs' addresses (a copy brought back sits elsewhere: on an AVX-512 host one
+    element differed by 4e-7 of the largest)."""
     x = torch.randn(8, 256)
     _, trace = traced_mlp(x, optimizer="sgd", activation_offload=True)
     recipe = Recipe(batch_size=8)
@@ -214,7 +216,10 @@ def test_measured_offload_moves_what_the_trace_moves_and_keeps_the_gradients():
     offloaded, host = gradients(True)
     plain, _ = gradients(False)
     assert host == trace.host_bytes["offloaded_activations"]
-    assert all(torch.equal(a, b) for a, b in zip(offloaded, plain, strict=True))
+    assert all(
+        torch.allclose(a, b, rtol=0, atol=1e-6 * b.abs().max().item())
+        for a, b in zip(offloaded, plain, strict=True)
+    )
 
 
 # -- chunked and fused cross-entropy --------------------------------------------------------
