@@ -145,11 +145,10 @@ def onednn_runs(dtype: str) -> bool:
     yet: it read 2.2% short of a bf16 convolution step and 10% short of an fp16 T5 step
     on an Intel Xeon with AMX (2026-11-29). Elsewhere ATen's own kernels run, which the
     trace matches."""
-    checks = {
-        "bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported,
-        "fp16": torch.ops.mkldnn._is_mkldnn_fp16_supported,
-    }
-    return torch.backends.mkldnn.is_available() and bool(checks[dtype]())
+    from vramplan.trace.cpu_conv import Host
+
+    host = Host.here()
+    return host.mkldnn_bf16 if dtype == "bf16" else host.mkldnn_fp16
 
 
 @pytest.fixture(autouse=True)

@@ -171,7 +171,7 @@ class TraceWorkers:
             if self.pool is None:
                 return None
             needed = self._new(recipes)
-            busy = sum(not result.ready() for result in self.running.values())  # or queued
+            busy = self._busy()
             short = busy and len(needed) > max(0, self.jobs - busy)
             here = needed[-1] if needed and (len(needed) == 1 or short) else None
             for recipe in needed:
@@ -199,12 +199,16 @@ class TraceWorkers:
         """Start queued recipes on the workers free beside the running traces, the
         bench's own and ``reserved`` more (``finishing``: running ones that have just
         ended). Call with the lock held."""
-        busy = sum(not result.ready() for result in self.running.values()) - finishing
+        busy = self._busy() - finishing
         room = self.jobs - busy - self.here - reserved
         while room > 0 and self.queued and self.pool is not None:
             for recipe in self._new([self.queued.pop(0)]):
                 self._start(recipe)
                 room -= 1
+
+    def _busy(self) -> int:
+        """Recipes sent and not yet traced: running on a worker, or queued for one."""
+        return sum(not result.ready() for result in self.running.values())
 
     def _freed(self, _outcome: object) -> None:
         """In the pool's result thread, as a worker ends a trace: start a queued one."""
