@@ -66,7 +66,7 @@ def test_fewest_recomputed_blocks_equal_the_exhaustive_answer(llama8):
     counts = [*map(str, range(1, 8)), "full"]
     fewest = next(n for n in counts if bench.fits(recipe.with_changes(checkpointing=n)))
     assert chosen == {"checkpointing": fewest} == {"checkpointing": "6"}
-    assert searched <= 1 + 1 + 3  # no checkpointing, all, and a bisection's three
+    assert searched <= 1 + 1 + 2  # no checkpointing, all, the line's guess and one more
 
 
 def test_another_card_is_judged_with_its_own_measured_table(tiny_llama):

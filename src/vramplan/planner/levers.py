@@ -14,6 +14,7 @@ modelled step time (``throughput.py``)::
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -294,6 +295,18 @@ def _accumulation_trials(recipe: Recipe, changes: dict) -> list[dict]:
     ]
 
 
+def _micro_batches(recipe: Recipe, changes: dict) -> list[Recipe]:
+    """``changes`` in ever more micro-batches (``_accumulation_trials``), for a training
+    step that can accumulate its gradients (none for inference).
+
+    >>> [r.batch_size for r in _micro_batches(Recipe(batch_size=4), {})]
+    [2, 1]
+    """
+    if not recipe.is_training:
+        return []
+    return [_apply(recipe, trial) for trial in _accumulation_trials(recipe, changes)]
+
+
 def _halves(recipe: Recipe) -> dict | None:
     """Two micro-batches of half the batch (None for an odd batch)."""
     if recipe.batch_size % 2:
@@ -333,31 +346,31 @@ def _micro_batches_may_fit(bench: Workbench, recipe: Recipe, baseline: Estimate)
 def _selective(
     bench: Workbench, recipe: Recipe, changes: dict, ahead: tuple[Recipe, ...] = ()
 ) -> dict:
-    """With checkpointing in ``changes``: the fewest leading blocks to recompute. The
-    first round bisects; then memory falls about linearly with the blocks recomputed, so
-    the line through the bracket's ends [does not fit, fits] predicts the boundary, traced
-    with its neighbour where traces run side by side (bisecting again when a round did not
-    halve the bracket, as ``search.py`` does for the batch). Not from no blocks at all:
-    recomputing the first block saves several times what each further one does. The
-    answer is the count that fits with one fewer that does not: the same as bisecting.
-    Workers a round leaves idle trace ``ahead`` (what is asked for next)."""
+    """With checkpointing in ``changes``: the fewest leading blocks to recompute. Memory
+    falls about linearly with the blocks recomputed, so the line through the bracket's ends
+    [does not fit, fits] predicts the boundary, traced with its neighbour where traces run
+    side by side. The first line runs from no block recomputed (``_plain_first``) to every
+    block; its guess lands on the answer or next to it, on either side, so the second
+    round guesses again; from the third on, a round that did not halve the bracket is
+    followed by a bisection (as ``search.py`` does for the batch). The answer is the count
+    that fits with one fewer that does not: the same as bisecting. Workers a round leaves
+    idle trace ``ahead`` (what is asked for next)."""
     if changes.get("checkpointing") != "full":
         return changes
     total = _recomputable(bench, recipe)
     if not total:
         return changes
     full = bench.estimate(_apply(recipe, changes))
-    points = {total: full.verdict.compared_bytes}
-    low, high, width = 0, total, None  # high fits (full); find the smallest count that fits
-    while high - low > 1:
-        halved = width is None or high - low <= width // 2
+    plain = _plain_first(bench, recipe, changes, ahead)
+    points = {0: plain.verdict.compared_bytes, total: full.verdict.compared_bytes}
+    low, high, width = 0, total, total  # high fits (full); find the smallest count that fits
+    for round_ in itertools.count():
+        if high - low <= 1:
+            break
+        halved = round_ < 2 or high - low <= width // 2  # the line's first two guesses
         width = high - low
-        guess = _boundary(points, low, high, full.verdict.usable_bytes) if halved else None
-        counts = (
-            _between(low, high, bench.width)
-            if guess is None
-            else _around(guess, low, high, bench.width)
-        )
+        usable = full.verdict.usable_bytes
+        counts = _round_counts(points, low, high, usable, bench.width, guessing=halved)
         trials = _counted(recipe, changes, counts)
         bench.prefetch(trials, ahead=list(ahead))
         for n, trial in zip(counts, trials, strict=True):
@@ -369,6 +382,21 @@ def _selective(
     return {**changes, "checkpointing": "full" if high == total else str(high)}
 
 
+def _plain_first(
+    bench: Workbench, recipe: Recipe, changes: dict, ahead: tuple[Recipe, ...] = ()
+) -> Estimate:
+    """``changes`` with no block recomputed, traced before any count of them: one trace of
+    the plain step, cheaper than a count's (which traces short versions of the model in
+    two stretches), puts the first line through both ends, and the first round lands on
+    or next to the answer where a bisection takes several rounds. The line leans towards
+    more blocks, the safe side: the counts near none read at or above it (on Llama-3-8B
+    one block recomputed reads higher than none), and the neighbour traced with the
+    guess, or the next round, settles the answer."""
+    plain = _apply(recipe, {**changes, "checkpointing": "none"})
+    bench.prefetch([plain], ahead=list(ahead))
+    return bench.estimate(plain)
+
+
 def _recomputable(bench: Workbench, recipe: Recipe) -> int:
     """The blocks of ``recipe``'s model that recompute one by one (0 where none can):
     one meta build tells."""
@@ -377,10 +405,33 @@ def _recomputable(bench: Workbench, recipe: Recipe) -> int:
 
 
 def _first_round(bench: Workbench, recipe: Recipe, changes: dict) -> list[Recipe]:
-    """The counts of recomputed blocks ``_selective`` traces first for ``changes`` (with
-    every block recomputed): as many as traces run at once, splitting the blocks evenly."""
+    """What ``_selective`` traces first for ``changes`` (with every block recomputed): the
+    step with none recomputed, then the counts the line through both ends predicts."""
     total = _recomputable(bench, recipe)
-    return _counted(recipe, changes, _between(0, total, bench.width)) if total else []
+    if not total:
+        return []
+    plain = _apply(recipe, {**changes, "checkpointing": "none"})
+    if not bench.known(plain):
+        return [plain]
+    full = bench.estimate(_apply(recipe, changes)).verdict
+    points = {0: bench.estimate(plain).verdict.compared_bytes, total: full.compared_bytes}
+    return _counted(
+        recipe, changes, _round_counts(points, 0, total, full.usable_bytes, bench.width)
+    )
+
+
+def _round_counts(
+    points: dict[int, int], low: int, high: int, usable: int, parts: int, guessing: bool = True
+) -> list[int]:
+    """The counts a round of ``_selective`` traces inside the bracket (low, high): around
+    the boundary the line through its ends predicts (``guessing``, and both ends traced),
+    else ``parts`` counts splitting it evenly.
+
+    >>> _round_counts({0: 300, 32: 100}, 0, 32, 150, 2), _round_counts({32: 100}, 0, 32, 150, 2)
+    ([23, 24], [11, 21])
+    """
+    guess = _boundary(points, low, high, usable) if guessing else None
+    return _between(low, high, parts) if guess is None else _around(guess, low, high, parts)
 
 
 def _counted(recipe: Recipe, changes: dict, counts: list[int]) -> list[Recipe]:
@@ -718,7 +769,7 @@ def _fitting_variants(
     fewest micro-batches (and the fewest recomputed blocks). Nothing when even every
     costed lever at once does not fit. Workers left idle trace the next ways ahead:
     offloading, then the micro-batches; or, where every block recomputed is known to fit,
-    the first counts of the fewest (``_first_round``)."""
+    the first traces of the fewest (``_first_round``)."""
     training = recipe.is_training
     ckpt = {"checkpointing": "full"} if checkpointable else {}
     offload = {"activation_offload": True} if training and not recipe.activation_offload else {}
@@ -728,10 +779,7 @@ def _fitting_variants(
         and not changes.get("optimizer_in_backward")
         and not recipe.optimizer_in_backward
     )
-    micro_batches = [
-        _apply(recipe, trial)
-        for trial in (_accumulation_trials(recipe, {**changes, **ckpt}) if can_accumulate else [])
-    ]
+    micro_batches = _micro_batches(recipe, {**changes, **ckpt})
     offloaded = _apply(recipe, {**changes, **ckpt, **offload})
     checkpointed = _apply(recipe, {**changes, **ckpt})
     if ckpt and bench.known(checkpointed) and bench.fits(checkpointed):
