@@ -46,15 +46,21 @@ def _bench(spec: str, repeat: bool) -> Workbench:
 
 def test_checkpointed_counts_share_short_traces(llama, monkeypatch):
     """Checkpointing 5 and then 6 of 11 blocks (both stretches long enough to repeat): the
-    second estimate runs no trace of its own, and equals the full trace."""
-    calls = []
+    second estimate runs no trace of its own, nor the check that the short traces rebuild
+    the 4-unit one (its family's, made once), and equals the full trace."""
+    calls, checks = [], []
     real = step.trace_training
 
     def counted(*args, **kwargs):
         calls.append(args[1].checkpointing)
         return real(*args, **kwargs)
 
+    def checked(rebuilt, traced):
+        checks.append(len(traced.allocations))
+        return same_events(rebuilt, traced)
+
     monkeypatch.setattr("vramplan.pipeline.trace_training", counted)
+    monkeypatch.setattr("vramplan.trace.repeat.same_events", checked)
     spec = llama(11)
     bench = _bench(spec, repeat=True)
     bench.estimate(Recipe(batch_size=2, seq_len=32, checkpointing="5"))
@@ -62,6 +68,7 @@ def test_checkpointed_counts_share_short_traces(llama, monkeypatch):
     recipe = Recipe(batch_size=2, seq_len=32, checkpointing="6")
     shared, rebuilt = bench.run(recipe)
     assert first > 0 and len(calls) == first
+    assert len(checks) == 1
     assert any(
         n.startswith("repeated blocks: the 11 model.layers blocks are stretches of 6")
         for n in shared.notes
@@ -94,6 +101,7 @@ def test_a_short_plain_stretch_is_rebuilt_from_the_shared_traces(llama, monkeypa
     recipe = Recipe(batch_size=2, seq_len=32, checkpointing=count)
     shared, rebuilt = bench.run(recipe)
     assert first > 0 and len(calls) == first
+    assert len(checks) == 1
     full, traced = _bench(spec, repeat=False).run(recipe)
     assert same_events(rebuilt, traced) and rebuilt.op_counts == traced.op_counts
     assert shared.peak.allocated_bytes == full.peak.allocated_bytes

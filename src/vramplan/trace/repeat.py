@@ -906,6 +906,19 @@ class _Rebuilder:
         for key in claimed_elsewhere:
             self.kept.wait(key)
 
+    def rebuilds_check(self) -> bool:
+        """Whether the short traces rebuild the one with each long stretch at ``CHECK``
+        units event for event; kept with the short traces, whose family (``repeat_plan``:
+        the recipes that differ only in how many leading blocks recompute) checks the same
+        rebuild."""
+        targets = {j: CHECK for j in self.expanding}
+        wanted = tuple(CHECK if j in targets else p.units for j, p in enumerate(self.parts))
+        widths = tuple(part.width for part in self.parts)
+        key = ("check", self._key(wanted), tuple(self.expanding), widths)
+        if key not in self.kept:
+            self.kept[key] = same_events(self.rebuilt(targets), self.short(wanted))
+        return self.kept[key]
+
     def rebuilt(self, targets: dict[int, int]) -> Trace:
         """The trace with each long stretch ``j`` at ``targets[j]`` units."""
         return self._level(0, [part.units for part in self.parts], targets)
@@ -994,9 +1007,7 @@ def repeat_built(
     try:
         _check_recomputed(model, run, built, recipe)
         rebuilder.trace_shared()
-        check = {j: CHECK for j in rebuilder.expanding}
-        wanted = tuple(CHECK if j in check else p.units for j, p in enumerate(parts))
-        if not same_events(rebuilder.rebuilt(check), rebuilder.short(wanted)):
+        if not rebuilder.rebuilds_check():
             raise NotRepeatable(f"the pattern does not rebuild the {CHECK}-block trace")
         trace = rebuilder.rebuilt({j: parts[j].units for j in rebuilder.expanding})
     except NotRepeatable as exc:
