@@ -937,7 +937,7 @@ def _without_unneeded(
     less (memory falls as more blocks recompute, as ``_selective`` has it), so where it
     does not fit, neither does the plan's, whose partly checkpointed trace costs several
     times more. The next trials are traced ahead as if each lever stays (a plan that just
-    fits needs them)."""
+    fits needs them), then the partly checkpointed trace, on a worker left idle."""
     base = next(b for n, b in tier.bases if n == names)
     costed = {k: changes[k] for k in COSTED_KEYS if k in changes}
     lighter = [costed]  # the checks of each trial, the lightest first
@@ -952,7 +952,7 @@ def _without_unneeded(
             _apply(recipe, {**_merged(base, tuple(f for f in kept if f is not later)), **first})
             for later in list(reversed(free))[i + 1 :]
         ]
-        bench.prefetch(checks[:1], ahead=ahead)
+        bench.prefetch(checks[:1], ahead=[*ahead, *checks[1:]])
         if all(bench.fits(check) for check in checks):  # asked in turn: none after a miss
             kept = trial
     return names, {**_merged(base, tuple(kept)), **costed}, tuple(kept)
