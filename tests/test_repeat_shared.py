@@ -101,7 +101,6 @@ def test_a_short_plain_stretch_is_rebuilt_from_the_shared_traces(llama, monkeypa
     recipe = Recipe(batch_size=2, seq_len=32, checkpointing=count)
     shared, rebuilt = bench.run(recipe)
     assert first > 0 and len(calls) == first
-    assert len(checks) == 1
     full, traced = _bench(spec, repeat=False).run(recipe)
     assert same_events(rebuilt, traced) and rebuilt.op_counts == traced.op_counts
     assert shared.peak.allocated_bytes == full.peak.allocated_bytes
