@@ -13,7 +13,7 @@ from vramplan.device.options import device_options
 from vramplan.device.replay import apply_device
 from vramplan.pipeline import estimate_from_trace
 from vramplan.planner.bench import Workbench
-from vramplan.planner.levers import _selective
+from vramplan.planner.levers import _first_round, _selective
 from vramplan.recipe import Recipe
 
 
@@ -67,6 +67,23 @@ def test_fewest_recomputed_blocks_equal_the_exhaustive_answer(llama8):
     fewest = next(n for n in counts if bench.fits(recipe.with_changes(checkpointing=n)))
     assert chosen == {"checkpointing": fewest} == {"checkpointing": "6"}
     assert searched <= 1 + 1 + 2  # no checkpointing, all, the line's guess and one more
+
+
+def test_what_is_traced_ahead_is_what_the_search_asks_first(llama8):
+    """``_first_round`` (traced ahead while other traces run) names the step with no block
+    recomputed until it is known, then the count the line through both ends predicts:
+    the traces ``_selective`` asks for first, in that order."""
+    recipe = Recipe(batch_size=4, seq_len=256)
+    bench = Workbench(llama8, device_options(gpu_memory="941MiB"), shares_short_traces=True)
+    changes = {"checkpointing": "full"}
+    assert bench.fits(recipe.with_changes(**changes))
+    assert _first_round(bench, recipe, changes) == [recipe]
+    bench.estimate(recipe)
+    ahead = _first_round(bench, recipe, changes)
+    before = bench.traces
+    _selective(bench, recipe, changes)
+    asked = [label for label, _ in bench.log.since(before)]
+    assert len(ahead) == 1 and asked[0] == bench.label(ahead[0])
 
 
 def test_another_card_is_judged_with_its_own_measured_table(tiny_llama):
