@@ -14,7 +14,6 @@ modelled step time (``throughput.py``)::
 
 from __future__ import annotations
 
-import itertools
 import math
 from dataclasses import dataclass, field
 
@@ -295,18 +294,6 @@ def _accumulation_trials(recipe: Recipe, changes: dict) -> list[dict]:
     ]
 
 
-def _micro_batches(recipe: Recipe, changes: dict) -> list[Recipe]:
-    """``changes`` in ever more micro-batches (``_accumulation_trials``), for a training
-    step that can accumulate its gradients (none for inference).
-
-    >>> [r.batch_size for r in _micro_batches(Recipe(batch_size=4), {})]
-    [2, 1]
-    """
-    if not recipe.is_training:
-        return []
-    return [_apply(recipe, trial) for trial in _accumulation_trials(recipe, changes)]
-
-
 def _halves(recipe: Recipe) -> dict | None:
     """Two micro-batches of half the batch (None for an odd batch)."""
     if recipe.batch_size % 2:
@@ -363,14 +350,12 @@ def _selective(
     full = bench.estimate(_apply(recipe, changes))
     plain = _plain_first(bench, recipe, changes, ahead)
     points = {0: plain.verdict.compared_bytes, total: full.verdict.compared_bytes}
-    low, high, width = 0, total, total  # high fits (full); find the smallest count that fits
-    for round_ in itertools.count():
-        if high - low <= 1:
-            break
-        halved = round_ < 2 or high - low <= width // 2  # the line's first two guesses
-        width = high - low
-        usable = full.verdict.usable_bytes
-        counts = _round_counts(points, low, high, usable, bench.width, guessing=halved)
+    usable = full.verdict.usable_bytes
+    low, high, width, rounds = 0, total, total, 0  # high fits (full): the fewest that fits
+    while high - low > 1:
+        guessing = rounds < 2 or high - low <= width // 2  # the line's first two guesses
+        width, rounds = high - low, rounds + 1
+        counts = _round_counts(points, low, high, usable, bench.width, guessing)
         trials = _counted(recipe, changes, counts)
         bench.prefetch(trials, ahead=list(ahead))
         for n, trial in zip(counts, trials, strict=True):
@@ -388,10 +373,10 @@ def _plain_first(
     """``changes`` with no block recomputed, traced before any count of them: one trace of
     the plain step, cheaper than a count's (which traces short versions of the model in
     two stretches), puts the first line through both ends, and the first round lands on
-    or next to the answer where a bisection takes several rounds. The line leans towards
-    more blocks, the safe side: the counts near none read at or above it (on Llama-3-8B
-    one block recomputed reads higher than none), and the neighbour traced with the
-    guess, or the next round, settles the answer."""
+    or next to the answer where a bisection takes several rounds. The counts need not lie
+    on the line (on Llama-3-8B one block recomputed reads higher than none; on the 70B
+    plan the line predicts 76 blocks where 77 is the answer): the neighbour traced with
+    the guess, or the next round, settles the answer."""
     plain = _apply(recipe, {**changes, "checkpointing": "none"})
     bench.prefetch([plain], ahead=list(ahead))
     return bench.estimate(plain)
@@ -779,7 +764,10 @@ def _fitting_variants(
         and not changes.get("optimizer_in_backward")
         and not recipe.optimizer_in_backward
     )
-    micro_batches = _micro_batches(recipe, {**changes, **ckpt})
+    micro_batches = [
+        _apply(recipe, trial)
+        for trial in (_accumulation_trials(recipe, {**changes, **ckpt}) if can_accumulate else [])
+    ]
     offloaded = _apply(recipe, {**changes, **ckpt, **offload})
     checkpointed = _apply(recipe, {**changes, **ckpt})
     if ckpt and bench.known(checkpointed) and bench.fits(checkpointed):
