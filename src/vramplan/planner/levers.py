@@ -377,9 +377,14 @@ def _plain_first(
     on the line (on Llama-3-8B one block recomputed reads higher than none; on the 70B
     plan the line predicts 76 blocks where 77 is the answer): the neighbour traced with
     the guess, or the next round, settles the answer."""
-    plain = _apply(recipe, {**changes, "checkpointing": "none"})
+    plain = _plain(recipe, changes)
     bench.prefetch([plain], ahead=list(ahead))
     return bench.estimate(plain)
+
+
+def _plain(recipe: Recipe, changes: dict) -> Recipe:
+    """``changes`` with no block recomputed: the low end of ``_selective``'s first line."""
+    return _apply(recipe, {**changes, "checkpointing": "none"})
 
 
 def _recomputable(bench: Workbench, recipe: Recipe) -> int:
@@ -395,7 +400,7 @@ def _first_round(bench: Workbench, recipe: Recipe, changes: dict) -> list[Recipe
     total = _recomputable(bench, recipe)
     if not total:
         return []
-    plain = _apply(recipe, {**changes, "checkpointing": "none"})
+    plain = _plain(recipe, changes)
     if not bench.known(plain):
         return [plain]
     full = bench.estimate(_apply(recipe, changes)).verdict
