@@ -16,8 +16,9 @@ trainable parameters reach the optimizer), so the traced step shows exactly that
 from __future__ import annotations
 
 import contextlib
-import logging
+import sys
 import warnings
+from collections.abc import Iterator
 from fnmatch import fnmatchcase
 
 import torch
@@ -91,22 +92,35 @@ def _is_transformers_model(model: nn.Module) -> bool:
     return any(cls.__name__ == "PreTrainedModel" for cls in type(model).__mro__)
 
 
-def _quiet_bitsandbytes_import() -> None:
-    """peft imports bitsandbytes when it is installed; on a CPU machine bitsandbytes logs a
-    warning about its optional CPU kernels at import, which is not the user's concern."""
-    logger = logging.getLogger("bitsandbytes")
-    level = logger.level
-    logger.setLevel(logging.ERROR)
+@contextlib.contextmanager
+def _bitsandbytes_hidden() -> Iterator[None]:
+    """Within it, ``import bitsandbytes`` fails and ``importlib.util.find_spec`` finds no
+    bitsandbytes (a ``None`` entry in ``sys.modules``), unless it is imported already.
+
+    peft imports bitsandbytes when it is installed, to wrap its quantized layers
+    (``is_bnb_available``, kept for the process). The models traced here hold none: their
+    quantized layers are ``sources/quantized.py``'s, subclasses of ``nn.Linear`` that peft
+    wraps as it wraps any linear layer. The import costs over a second (bitsandbytes
+    compiles its CPU kernels with ``torch.compile``, which imports inductor) and logs a
+    warning about optional CPU kernels on a machine without them.
+
+    >>> import importlib.util, sys
+    >>> with _bitsandbytes_hidden():
+    ...     importlib.util.find_spec("bitsandbytes") is None
+    True
+    """
+    if "bitsandbytes" in sys.modules:
+        yield
+        return
+    sys.modules["bitsandbytes"] = None  # type: ignore[assignment]
     try:
-        import bitsandbytes  # noqa: F401
-    except Exception:  # absent or unusable here: peft then does without it
-        pass
+        yield
     finally:
-        logger.setLevel(level)
+        if sys.modules.get("bitsandbytes", "") is None:
+            del sys.modules["bitsandbytes"]
 
 
 def _peft():
-    _quiet_bitsandbytes_import()
     try:
         import peft
     except ImportError:
@@ -147,14 +161,15 @@ def wrap_lora(model: nn.Module, recipe: Recipe, kind: str) -> nn.Module:
     >>> sorted({p.device.type for p in wrapped.parameters()})
     ['meta']
     """
-    peft = _peft()
-    config = lora_config(recipe, kind)
     on_meta = all(p.is_meta for p in model.parameters())
     made_on = torch.device("meta") if on_meta else contextlib.nullcontext()
     try:
-        with warnings.catch_warnings(), made_on:  # (peft's fan_in_fan_out notice, renames)
-            warnings.simplefilter("ignore")
-            return peft.get_peft_model(model, config)
+        with _bitsandbytes_hidden():
+            peft = _peft()
+            config = lora_config(recipe, kind)
+            with warnings.catch_warnings(), made_on:  # (peft's fan_in_fan_out notice, renames)
+                warnings.simplefilter("ignore")
+                return peft.get_peft_model(model, config)
     except (ValueError, TypeError, KeyError) as exc:
         hint = ""
         if recipe.lora_targets is None:  # peft's own defaults found nothing to wrap
