@@ -36,8 +36,9 @@ def four_blocks(tmp_path_factory):
         ),
         Recipe(batch_size=4, seq_len=128, precision="bf16", optimizer_in_backward=True),
         Recipe(batch_size=2, grad_accum=2, seq_len=128, precision="amp-bf16"),
+        Recipe(batch_size=4, seq_len=128, checkpointing="full", loss_chunks=4),
     ],
-    ids=["fp32", "full", "amp-accum", "amp-2-of-4-8bit", "bf16-in-backward", "amp-2x2"],
+    ids=["fp32", "full", "amp-accum", "amp-2-of-4-8bit", "bf16-in-backward", "amp-2x2", "chunks"],
 )
 def test_the_floor_is_under_the_offloaded_step_and_over_what_stays(four_blocks, recipe):
     bench = four_blocks
@@ -69,3 +70,23 @@ def test_an_offloaded_floor_past_the_line_is_not_traced(tmp_path, card, traces):
     skipped = bench.offloaded_floor_bytes(lighter[-1]) > usable
     assert skipped == (traces == 2)
     assert [bench.fits(rung) for rung in (*lighter, floor)] == [False, False, False]
+
+
+def test_what_offloading_leaves_on_the_card_is_in_the_floor(tmp_path):
+    """A 32000-token vocabulary in mixed precision, one sample per micro-batch, every block
+    recomputed: what the head and the loss save (the offloader pauses at the head) and the
+    block recomputed in backward stay on the card with offloading, and the floor counts
+    them. On a 960 MiB card (864 MiB usable) that puts it past the line: ``_viable`` stops
+    after two traces, and tracing the offloaded step shows that it does not fit."""
+    path = tmp_path / "config.json"
+    wide = {"vocab_size": 32000, "hidden_size": 256, "intermediate_size": 512}
+    path.write_text(json.dumps({**PLAN_LLAMA, "num_hidden_layers": 4, **wide}))
+    bench = Workbench(f"hf:{path}", device_options(gpu_memory="960MiB"))
+    recipe = Recipe(batch_size=4, seq_len=256, precision="amp-bf16")
+    assert not _viable(bench, recipe, [{}], True)
+    assert bench.traces == 2
+    *lighter, offloaded = _floors(recipe, {}, True)
+    floor = bench.offloaded_floor_bytes(lighter[-1])
+    assert bench.estimate(offloaded).verdict.usable_bytes < floor
+    assert floor <= bench.estimate(offloaded).peak.device_total_bytes
+    assert not bench.fits(offloaded)

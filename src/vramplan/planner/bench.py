@@ -43,6 +43,7 @@ from vramplan.sources import BuiltModel, resolve
 from vramplan.trace.events import FLOPS_KEY, Trace
 from vramplan.trace.materialize import unique_parameters
 from vramplan.trace.paged import paged_from_8bit
+from vramplan.trace.tricks import head_name, offload_candidates
 
 RESIDENT = (Component.PARAMETERS, Component.BUFFERS, Component.GRADIENTS, Component.OPTIMIZER_STATE)
 """What a step holds whatever its batch (``Workbench.resident_bytes``)."""
@@ -431,22 +432,26 @@ class Workbench:
         """A floor under the device total of ``recipe``'s step with activation offloading,
         read off ``recipe``'s own trace. Offloading moves the tensors a forward pass saves
         for backward to the host and changes nothing else of the step
-        (``trace/tricks.Offloader``): every storage but the activations is alive at the
-        same point of the same ops, and the same ops load the same kernels. So the most the
-        step holds at once besides its activations, with what the card holds outside the
-        allocator (the device total less the reserved bytes: the CUDA context, the
-        libraries' kernels), is under the offloaded step's device total. Where it passes
-        the usable line, that step does not fit. None where the verdict is not the trace's
-        own (``resident_bytes``).
+        (``trace/tricks.Offloader``): every other storage is alive at the same point of
+        the same ops, and the same ops load the same kernels. So the most the step holds
+        at once besides the activations offloading may move (``tricks.offload_candidates``),
+        with what the card holds outside the allocator (the device total less the reserved
+        bytes: the CUDA context, the libraries' kernels), is under the offloaded step's
+        device total. Where it passes the usable line, that step does not fit. None where
+        the verdict is not the trace's own (``resident_bytes``).
 
         With every block recomputed the activations are little of a step: an accumulating
-        step's weights and gradients, or mixed precision's cast weights, stay.
+        step's weights and gradients, mixed precision's cast weights, the block recomputed
+        in backward (offloading's hooks are off there), and what the output head and the
+        loss save (the offloader pauses at the head: a large vocabulary's logits) stay.
         """
         if not self._judged_on_trace():
             return None
+        trace = self.run(recipe)[1]
+        moved = offload_candidates(trace, head_name(self.model_of(recipe).model))
         changes = []  # (event index, frees first, bytes)
-        for a in self.run(recipe)[1].allocations:
-            if a.category != Component.ACTIVATIONS:
+        for a in trace.allocations:
+            if a.id not in moved:
                 changes.append((a.alloc_index, 1, a.nbytes))
                 if a.free_index is not None:
                     changes.append((a.free_index, 0, -a.nbytes))

@@ -24,6 +24,7 @@ tagged ``offloaded``, and reported as host RAM instead of device memory::
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 from collections.abc import Iterator
 
@@ -31,6 +32,8 @@ import torch
 from torch import nn
 
 from vramplan.optimizers import DEFAULT_LR, build_optimizer
+from vramplan.result import Component, Phase
+from vramplan.trace.events import Trace
 from vramplan.trace.recorder import AllocationRecorder
 
 MIN_OFFLOAD_BYTES = 1024
@@ -64,6 +67,56 @@ def _output_head(model: nn.Module) -> nn.Module | None:
     get_output = getattr(model, "get_output_embeddings", None)
     head = get_output() if callable(get_output) else None
     return head if isinstance(head, nn.Module) else None
+
+
+def head_name(model: nn.Module) -> str:
+    """The name of ``model``'s output head, where ``Offloader`` pauses ("" without one).
+
+    >>> head_name(nn.Linear(2, 2))
+    ''
+    """
+    head = _output_head(model)
+    return next((name for name, m in model.named_modules() if m is head), "")
+
+
+def offload_candidates(trace: Trace, head: str) -> set[int]:
+    """The storages of ``trace``, a step traced without offloading, that ``Offloader``
+    may move to the host when the step offloads (their ids): activations a forward pass
+    keeps past its end, of ``MIN_OFFLOAD_BYTES`` or more, born before that pass reaches
+    the output head ``head`` (a module name; where the offloader pauses). Every other
+    storage is alive at the same ops either way: a block's insides that checkpointing
+    frees again in forward, a block recomputed in backward (the hooks are off there), the
+    head's and the loss's tensors.
+
+    >>> from vramplan.trace.events import Allocation, PhaseMark
+    >>> def act(id_, born, died, module=""):
+    ...     return Allocation(id_, 4096, Component.ACTIVATIONS, Phase.FORWARD, 1, module, "mm",
+    ...                       born, died)
+    >>> marks = (PhaseMark(0, Phase.FORWARD, 1), PhaseMark(6, Phase.BACKWARD, 1))
+    >>> step = Trace((act(0, 0, 7), act(1, 1, 2), act(2, 3, 8, "lm_head"), act(3, 4, 9)), marks, 10)
+    >>> sorted(offload_candidates(step, "lm_head"))
+    [0]
+    """
+    ends = [m.index for m in trace.phases[1:]] + [trace.event_count]
+    marks = zip(trace.phases, ends, strict=True)
+    spans = [(m.index, end) for m, end in marks if m.phase == Phase.FORWARD]
+    starts = [start for start, _ in spans]
+    paused = [end for _, end in spans]  # where each pass reaches the head
+    for a in trace.allocations:
+        if head and (a.module == head or a.module.startswith(head + ".")):
+            k = bisect.bisect_right(starts, a.alloc_index) - 1
+            if k >= 0 and a.alloc_index < spans[k][1]:
+                paused[k] = min(paused[k], a.alloc_index)
+    moved = set()
+    for a in trace.allocations:
+        if a.category != Component.ACTIVATIONS or a.nbytes < MIN_OFFLOAD_BYTES:
+            continue
+        k = bisect.bisect_right(starts, a.alloc_index) - 1
+        if k < 0 or a.alloc_index >= paused[k]:
+            continue
+        if a.free_index is None or a.free_index >= spans[k][1]:
+            moved.add(a.id)
+    return moved
 
 
 class Offloader:
