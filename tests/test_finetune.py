@@ -316,8 +316,8 @@ def test_cli_qlora_json(llama, run_cli):
 
 def test_qlora_build_leaves_bitsandbytes_unimported(llama):
     """peft wraps the modelled 4-bit layers without bitsandbytes (they are ``nn.Linear``
-    subclasses): a QLoRA build in a fresh process does not import it, finds it installed
-    afterwards, and counts the adapters exactly."""
+    subclasses): a QLoRA build in a fresh process does not import it and counts the
+    adapters exactly; afterwards it is found installed, by peft too."""
     pytest.importorskip("bitsandbytes")
     import subprocess
     import sys
@@ -327,16 +327,24 @@ import importlib.util, json, sys
 from vramplan import Recipe
 from vramplan.sources import resolve
 model = resolve({llama!r}, Recipe(quantize="nf4", lora_rank=4, lora_targets="all-linear")).model
+imported = "bitsandbytes" in sys.modules
+from peft.import_utils import is_bnb_available
 print(json.dumps({{
-    "imported": "bitsandbytes" in sys.modules,
+    "imported": imported,
     "installed": importlib.util.find_spec("bitsandbytes") is not None,
+    "peft finds it": is_bnb_available(),
     "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
 }}))
 """
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     seen = json.loads(result.stdout.strip().splitlines()[-1])
-    assert seen == {"imported": False, "installed": True, "trainable": LAYERS * rank_sum(4)}
+    assert seen == {
+        "imported": False,
+        "installed": True,
+        "peft finds it": True,
+        "trainable": LAYERS * rank_sum(4),
+    }
 
 
 def rank_sum(rank: int) -> int:

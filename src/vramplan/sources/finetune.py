@@ -95,10 +95,12 @@ def _is_transformers_model(model: nn.Module) -> bool:
 @contextlib.contextmanager
 def _bitsandbytes_hidden() -> Iterator[None]:
     """Within it, ``import bitsandbytes`` fails and ``importlib.util.find_spec`` finds no
-    bitsandbytes (a ``None`` entry in ``sys.modules``), unless it is imported already.
+    bitsandbytes (a ``None`` entry in ``sys.modules``), unless it is imported already;
+    after it, peft's cached answers to whether bitsandbytes is installed are forgotten, so
+    that a user's own peft in the same process (a notebook) finds it again.
 
     peft imports bitsandbytes when it is installed, to wrap its quantized layers
-    (``is_bnb_available``, kept for the process). The models traced here hold none: their
+    (``peft.import_utils.is_bnb_available``). The models traced here hold none: their
     quantized layers are ``sources/quantized.py``'s, subclasses of ``nn.Linear`` that peft
     wraps as it wraps any linear layer. The import costs over a second (bitsandbytes
     compiles its CPU kernels with ``torch.compile``, which imports inductor) and logs a
@@ -118,6 +120,9 @@ def _bitsandbytes_hidden() -> Iterator[None]:
     finally:
         if sys.modules.get("bitsandbytes", "") is None:
             del sys.modules["bitsandbytes"]
+        answers = sys.modules.get("peft.import_utils")
+        for name in ("is_bnb_available", "is_bnb_4bit_available"):
+            getattr(getattr(answers, name, None), "cache_clear", lambda: None)()
 
 
 def _peft():
