@@ -303,6 +303,10 @@ def test_qlora_keeps_a_4bit_base_and_trains_only_adapters(run_cli):
         "--json",
     )
     data = json.loads(out)
+    _, as_estimate_spells_it, _ = run_cli(
+        "llm", "hf:meta-llama-3-8b", "--lora", "16", "--qlora", "--seq-len", "1024", "--json"
+    )
+    assert json.loads(as_estimate_spells_it) == data
     trainable = data["model"]["trainable_parameters"]
     assert 0 < trainable < data["model"]["parameters"] / 100
     assert data["components"]["optimizer_state"] == trainable * 8

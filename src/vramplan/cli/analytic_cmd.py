@@ -116,7 +116,9 @@ def llm_command(
     ] = "none",
     tp: Annotated[int, typer.Option("--tp", help="Tensor-parallel degree.")] = 1,
     sp: Annotated[bool, typer.Option("--sp", help="Sequence parallelism with --tp.")] = False,
-    lora_rank: Annotated[int, typer.Option("--lora-rank", help="Train LoRA adapters.")] = 0,
+    lora_rank: Annotated[
+        int, typer.Option("--lora", "--lora-rank", help="Train LoRA adapters of this rank.")
+    ] = 0,
     qlora: Annotated[bool, typer.Option("--qlora", help="4-bit NF4 frozen base (QLoRA).")] = False,
     json_output: JsonOpt = False,
     units: UnitsOpt = "binary",
