@@ -160,3 +160,31 @@ def test_full_trace_flag(run_cli, tmp_path):
     assert out[()]["peak"] == out[("--full-trace",)]["peak"]
     assert any("repeated blocks" in n for n in out[()]["notes"])
     assert not any("repeated blocks" in n for n in out[("--full-trace",)]["notes"])
+
+
+def test_blocks_that_are_not_alike_are_traced_whole_and_the_notes_say_why(tmp_path):
+    """Gemma 2 alternates sliding-window and global attention layers, so no two neighbours
+    are alike: the 6 blocks are traced whole, and the note says how many in a row were."""
+    config = {
+        "model_type": "gemma2",
+        "architectures": ["Gemma2ForCausalLM"],
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 256,
+        "sliding_window": 16,
+        "max_position_embeddings": 128,
+    }
+    path = tmp_path / "gemma2.json"
+    path.write_text(json.dumps(config))
+    recipe = Recipe(batch_size=2, seq_len=32)
+    estimate, _ = trace_and_estimate(
+        resolve(f"hf:{path}", recipe), recipe, "cuda", device_options(gpu="a100-80gb")
+    )
+    assert (
+        "full trace: the 6 model.layers blocks are not alike (at most 1 identical in a row; "
+        "runs of 5 or more are traced once and repeated)"
+    ) in estimate.notes

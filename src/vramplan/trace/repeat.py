@@ -121,7 +121,13 @@ def signature(block: nn.Module) -> tuple:
 def find_run(model: nn.Module, containers: list[tuple[str, nn.Module]]) -> BlockRun | None:
     """The longest run of identical consecutive blocks among ``containers`` (qualified
     name, container) — at least ``MIN_BLOCKS`` long — or None."""
-    best = None
+    return _longest(_alike_runs(containers))
+
+
+def _alike_runs(containers: list[tuple[str, nn.Module]]) -> list[tuple[BlockRun, int]]:
+    """Every maximal run of identical consecutive blocks in ``containers``, with the number
+    of blocks its container holds."""
+    runs = []
     for path, container in containers:
         children = list(container.children())
         if len(children) != len(container._modules):
@@ -130,10 +136,36 @@ def find_run(model: nn.Module, containers: list[tuple[str, nn.Module]]) -> Block
         start = 0
         for end in range(1, len(children) + 1):
             if end == len(children) or signatures[end] != signatures[start]:
-                if end - start >= MIN_BLOCKS and (best is None or end - start > best.length):
-                    best = BlockRun(path, start, end)
+                runs.append((BlockRun(path, start, end), len(children)))
                 start = end
-    return best
+    return runs
+
+
+def _longest(runs: list[tuple[BlockRun, int]]) -> BlockRun | None:
+    """The longest of ``runs`` (the first of equal ones) of at least ``MIN_BLOCKS``."""
+    long = [run for run, _ in runs if run.length >= MIN_BLOCKS]
+    return max(long, key=lambda run: run.length, default=None)
+
+
+def _unlike_note(runs: list[tuple[BlockRun, int]]) -> str:
+    """Why a model with ``MIN_BLOCKS`` blocks or more in one container is traced whole: its
+    blocks are not alike (Gemma 2's and 3's sliding-window and global layers). Empty where
+    no container holds that many.
+
+    >>> runs = [(BlockRun("model.layers", i, i + 1), 26) for i in range(26)]
+    >>> _unlike_note(runs)
+    'full trace: the 26 model.layers blocks are not alike (at most 1 identical in a row; \
+runs of 16 or more are traced once and repeated)'
+    """
+    many = [(total, run) for run, total in runs if total >= MIN_BLOCKS]
+    if not many:
+        return ""
+    total, path = max((total, run.path) for total, run in many)
+    longest = max(run.length for run, _ in runs if run.path == path)
+    return (
+        f"full trace: the {total} {path} blocks are not alike (at most {longest} identical in "
+        f"a row; runs of {MIN_BLOCKS} or more are traced once and repeated)"
+    )
 
 
 def truncated(model: nn.Module, run: BlockRun, blocks: int) -> nn.Module:
@@ -972,18 +1004,20 @@ def repeat_built(
     kind: tuple = (),
 ) -> tuple[Trace | None, str]:
     """The full trace of ``built`` from short ones (``trace_model(built, recipe)``), and a
-    note; ``(None, reason)`` when the model has no run to repeat (reason empty) or the
-    rebuild is not exact. Checkpointing some of the blocks splits the run into stretches
-    (``repeat_plan.segments``), each repeated on its own. Short traces are kept in
+    note; ``(None, reason)`` when the model has no run to repeat (reason empty, or why its
+    many blocks are not alike: ``_unlike_note``) or the rebuild is not exact. Checkpointing
+    some of the blocks splits the run into stretches (``repeat_plan.segments``), each
+    repeated on its own. Short traces are kept in
     ``built.short_traces`` (when given) under ``kind`` (what else shapes a trace: the
     policy, a distributed engine) and the short recipe, so that estimates which differ only
     in how many blocks are checkpointed share them."""
     model = built.model
     if not built.name.startswith(DEFAULT_SOURCES):
         return None, ""
-    run = find_run(model, block_containers(model))
+    runs = _alike_runs(block_containers(model))
+    run = _longest(runs)
     if run is None:
-        return None, ""
+        return None, _unlike_note(runs)
     label = f"{run.length} {run.path} blocks"
     parts = segments(recipe, run.length)
     stash = _stash_reason(recipe)
