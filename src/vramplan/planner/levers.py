@@ -347,10 +347,8 @@ def _selective(
     total = _recomputable(bench, recipe)
     if not total:
         return changes
-    full = bench.estimate(_apply(recipe, changes))
-    plain = _plain_first(bench, recipe, changes, ahead)
-    points = {0: plain.verdict.compared_bytes, total: full.verdict.compared_bytes}
-    usable = full.verdict.usable_bytes
+    _plain_first(bench, recipe, changes, ahead)
+    points, usable = _line_ends(bench, recipe, changes, total)
     low, high, width, rounds = 0, total, total, 0  # high fits (full): the fewest that fits
     while high - low > 1:
         guessing = rounds < 2 or high - low <= width // 2  # the line's first two guesses
@@ -369,8 +367,8 @@ def _selective(
 
 def _plain_first(
     bench: Workbench, recipe: Recipe, changes: dict, ahead: tuple[Recipe, ...] = ()
-) -> Estimate:
-    """``changes`` with no block recomputed, traced before any count of them: one trace of
+) -> None:
+    """Trace ``changes`` with no block recomputed before any count of them: one trace of
     the plain step, cheaper than a count's (which traces short versions of the model in
     two stretches), puts the first line through both ends, and the first round lands on
     or next to the answer where a bisection takes several rounds. The counts need not lie
@@ -379,7 +377,17 @@ def _plain_first(
     the guess, or the next round, settles the answer."""
     plain = _plain(recipe, changes)
     bench.prefetch([plain], ahead=list(ahead))
-    return bench.estimate(plain)
+    bench.estimate(plain)
+
+
+def _line_ends(
+    bench: Workbench, recipe: Recipe, changes: dict, total: int
+) -> tuple[dict[int, int], int]:
+    """The first line's ends, read off the traced steps with none and with all ``total``
+    blocks recomputed (compared bytes by count), and the usable line."""
+    full = bench.estimate(_apply(recipe, changes)).verdict
+    plain = bench.estimate(_plain(recipe, changes)).verdict
+    return {0: plain.compared_bytes, total: full.compared_bytes}, full.usable_bytes
 
 
 def _plain(recipe: Recipe, changes: dict) -> Recipe:
@@ -403,11 +411,8 @@ def _first_round(bench: Workbench, recipe: Recipe, changes: dict) -> list[Recipe
     plain = _plain(recipe, changes)
     if not bench.known(plain):
         return [plain]
-    full = bench.estimate(_apply(recipe, changes)).verdict
-    points = {0: bench.estimate(plain).verdict.compared_bytes, total: full.compared_bytes}
-    return _counted(
-        recipe, changes, _round_counts(points, 0, total, full.usable_bytes, bench.width)
-    )
+    points, usable = _line_ends(bench, recipe, changes, total)
+    return _counted(recipe, changes, _round_counts(points, 0, total, usable, bench.width))
 
 
 def _round_counts(
