@@ -157,3 +157,19 @@ def test_unknown_flags_suggest_only_flags_that_look_alike(run_cli, flag, hint):
     code, out, err = run_cli("estimate", "hf:gpt2", flag, "1")
     assert code == 2 and out == "" and hint in err and err.count("\n") == 1
     assert "--tp" not in err and "--units" not in err
+
+
+def test_the_issue_spellings_of_the_torchtune_tricks_are_the_same_flags(run_cli, tiny_gpt2_config):
+    """``--offload-activations`` and ``--chunked-loss N`` (torchtune's and the fine-tuning
+    issue's words) are ``--activation-offload`` and ``--loss-chunks N``."""
+    common = ("estimate", f"hf:{tiny_gpt2_config}", "--seq-len", "32", "--checkpointing", "full")
+    recipes = []
+    for flags in (
+        ("--activation-offload", "--loss-chunks", "4"),
+        ("--offload-activations", "--chunked-loss", "4"),
+    ):
+        code, out, err = run_cli(*common, *flags, "--json")
+        assert code == 0, err
+        recipes.append(json.loads(out)["recipe"])
+    assert recipes[0] == recipes[1]
+    assert recipes[0]["activation_offload"] is True and recipes[0]["loss_chunks"] == 4

@@ -483,6 +483,7 @@ ActivationOffloadOpt = Annotated[
     bool,
     typer.Option(
         "--activation-offload",
+        "--offload-activations",
         help="Saved activations go to host memory in forward and come back in backward "
         "(torchtune's OffloadActivations); host RAM reported.",
     ),
@@ -491,6 +492,7 @@ LossChunksOpt = Annotated[
     int,
     typer.Option(
         "--loss-chunks",
+        "--chunked-loss",
         help="Causal LMs: output head + cross-entropy over N sequence chunks "
         "(torchtune's CEWithChunkedOutputLoss; 0: the model's own loss).",
     ),
