@@ -151,7 +151,12 @@ def test_models_lists_bundled_configs(run_cli):
 
 @pytest.mark.parametrize(
     "flag,hint",
-    [("--gpus", "did you mean --gpu?"), ("--batch", "--batch-size"), ("--colour", "--help")],
+    [
+        ("--gpus", "did you mean --gpu?"),
+        ("--batch", "--batch-size"),
+        ("--colour", "--help"),
+        ("--precomputed-latents", "vramplan spells it --diffusion-encoders precomputed"),
+    ],
 )
 def test_unknown_flags_suggest_only_flags_that_look_alike(run_cli, flag, hint):
     code, out, err = run_cli("estimate", "hf:gpt2", flag, "1")

@@ -52,14 +52,26 @@ def fail(message: str) -> None:
     raise SystemExit(EXIT_USER_ERROR)
 
 
-def unknown_option(name: str, possibilities) -> str:
-    """The refusal of an unknown flag, suggesting only flags that look like it.
+OTHER_SPELLINGS = {
+    "--precomputed-latents": "--diffusion-encoders precomputed (the default)",
+    "--frozen-encoders": "--diffusion-encoders frozen",
+}
+"""Flags as other tools or write-ups spell them, and vramplan's words for the same thing."""
+
+
+def unknown_option(name: str, possibilities, options=()) -> str:
+    """The refusal of an unknown flag, suggesting only flags that look like it, or the
+    command's own flag (among ``options``) for a spelling of another tool.
 
     >>> unknown_option("--gpus", ["--gpu", "--tp", "--units"])
     'No such option: --gpus; did you mean --gpu?'
     >>> unknown_option("--colour", ["--gpu", "--tp"])
     "No such option: --colour (see the command's --help)"
+    >>> unknown_option("--frozen-encoders", [], ["--diffusion-encoders"])
+    'No such option: --frozen-encoders; vramplan spells it --diffusion-encoders frozen'
     """
+    if name in OTHER_SPELLINGS and OTHER_SPELLINGS[name].split()[0] in options:
+        return f"No such option: {name}; vramplan spells it {OTHER_SPELLINGS[name]}"
     bare = {option.lstrip("-"): option for option in possibilities}
     wanted = name.lstrip("-")
     close = [b for b in bare if wanted and b.startswith(wanted)][:2]
@@ -117,7 +129,8 @@ def _run(argv: list[str] | None) -> int:
     except click_exceptions.NoArgsIsHelpError:
         return 0
     except click_exceptions.NoSuchOption as exc:
-        fail(unknown_option(exc.option_name, exc.possibilities or ()))
+        options = [o for p in exc.ctx.command.params for o in p.opts] if exc.ctx else []
+        fail(unknown_option(exc.option_name, exc.possibilities or (), options))
     except click_exceptions.UsageError as exc:
         fail(exc.format_message().replace("\n", " "))
     except click_exceptions.ClickException as exc:
