@@ -79,3 +79,25 @@ def test_the_package_root_and_the_answers_without_tracing_import_no_torch():
         f"print(json.dumps(sorted(m for m in {HEAVY!r} if m in sys.modules)))"
     )
     assert _run_child(code) == []
+
+
+def test_a_command_imports_only_its_own_command_module():
+    """typer builds the options of every registered command on each call, so a named
+    command registers its own module only; ``--help`` and a misspelt command, all."""
+    code = (
+        "import contextlib, io, json, sys\n"
+        "from vramplan.cli import main\n"
+        "seen = {}\n"
+        "for argv in json.loads(sys.argv[1]):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()), "
+        "contextlib.redirect_stderr(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "        main(argv)\n"
+        "    seen[argv[0]] = sorted(m for m in sys.modules if m.endswith('_cmd'))\n"
+        "print(json.dumps(seen))"
+    )
+    gpus = _run_child(code, json.dumps([["gpus"]]))["gpus"]
+    assert gpus == ["vramplan.cli.gpus_cmd"]
+    calc = _run_child(code, json.dumps([["calc", "--params", "7B"]]))["calc"]
+    assert calc == ["vramplan.cli.analytic_cmd"]
+    misspelt = _run_child(code, json.dumps([["estimat"]]))["estimat"]
+    assert {"vramplan.cli.estimate_cmd", "vramplan.cli.plan_cmd"} <= set(misspelt)

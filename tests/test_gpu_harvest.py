@@ -516,9 +516,9 @@ def test_every_device_row_parses_as_measure_and_matches_its_committed_h200_run()
 
     from benchmarks.accuracy.gpu_table import measure_rows as read_rows
     from benchmarks.gpu_harvest.device_rows import DEVICE_ROWS, RECIPES
-    from vramplan.cli import _register_commands, app
+    from vramplan.cli import app, register_commands
 
-    _register_commands()
+    register_commands()
     measure = typer.main.get_command(app).commands["measure"]
     folder = Path(__file__).resolve().parents[1] / "benchmarks/results"
     committed = {r.name: r for r in read_rows(folder / "gpu-nvidia-h200-2026-11-27-fresh/rows")}

@@ -57,7 +57,9 @@ DIFFUSERS_CLASSES = ("UNet2DConditionModel", "DiTTransformer2DModel", "Autoencod
 def warm_up() -> None:
     """Import what the commands import and run the forward-only ``WARM_UP`` estimates,
     their output discarded (a missing optional library only skips its estimate)."""
-    from vramplan.cli import main
+    from vramplan.cli import main, register_commands
+
+    register_commands()  # every command, so that a forked child imports none
 
     for name in OPTIONAL:
         with contextlib.suppress(Exception):
