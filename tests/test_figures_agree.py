@@ -29,17 +29,25 @@ def _judged(total_bytes: int):
     return apply_device(estimate, trace, options)
 
 
+def _card_with_room_for(segments: int):
+    """The estimate on a card whose allocator may reserve ``segments`` bytes beside the
+    runtime (the driver's reserve scales with the card, so settle it), and the card."""
+    card = 2**30
+    for _ in range(4):
+        judged = _judged(card)
+        outside = judged.peak.device_total_bytes - judged.peak.reserved_bytes
+        counted = judged.runtime["driver_reserved"]
+        card += outside - counted + segments - judged.details["usable_capacity_bytes"]
+    return _judged(card), card
+
+
 def test_reserved_comes_from_the_replay_the_device_total_comes_from():
     free = _judged(80 * 2**30)
     assert free.peak.reserved_bytes == 70 * MIB  # both segments cached, no card limit
-    # a card with room for 50 MiB of segments beside the runtime: the allocator frees the
-    # 30 MiB one and retries (the driver's reserve scales with the card, so settle it)
-    card = 2**30
-    for _ in range(4):
-        tight = _judged(card)
-        outside = tight.peak.device_total_bytes - tight.peak.reserved_bytes
-        counted = tight.runtime["driver_reserved"]
-        card += outside - counted + 50 * MIB - tight.details["usable_capacity_bytes"]
+    # room for 50 MiB of segments: the allocator frees the 30 MiB one and retries
+    tight, card = _card_with_room_for(50 * MIB)
+    outside = tight.peak.device_total_bytes - tight.peak.reserved_bytes
+    counted = tight.runtime["driver_reserved"]
     assert tight.verdict.status != "oom"
     assert tight.details["allocator"]["alloc_retries"] == 1
     assert tight.peak.reserved_bytes == 40 * MIB
@@ -55,3 +63,14 @@ def test_without_retries_the_figures_are_unchanged():
     roomy = _judged(free.peak.device_total_bytes + 100 * MIB)
     assert roomy.peak == free.peak
     assert roomy.details["allocator"]["alloc_retries"] == 0
+
+
+def test_a_step_that_runs_out_after_retrying_is_not_said_to_fit():
+    """Room for 35 MiB of segments: the allocator frees the cached 30 MiB one, retries,
+    and still cannot place the 40 MiB request."""
+    short, _ = _card_with_room_for(35 * MIB)
+    assert short.verdict.status == "oom"
+    assert short.details["allocator"]["alloc_retries"] == 1
+    assert not [note for note in short.notes if note.startswith("fits only after")]
+    fits, _ = _card_with_room_for(50 * MIB)
+    assert [note for note in fits.notes if note.startswith("fits only after")]

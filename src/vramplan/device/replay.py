@@ -504,7 +504,7 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
                 "may read well above this figure; it cannot cause an OOM (candidates that do "
                 "not fit are skipped) and the cache is emptied after each search"
             )
-    if retries:
+    if retries and not oom:
         notes.append(
             f"fits only after the allocator frees its cache and retries ({retries}x): "
             "expect slow steps"
