@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 from conftest import PLAN_LLAMA
@@ -12,12 +13,14 @@ from conftest import PLAN_LLAMA
 from vramplan import estimate
 from vramplan.cli import main
 from vramplan.device.options import device_options
+from vramplan.device.verdict import judge
 from vramplan.errors import UserError
 from vramplan.planner.bench import Workbench
 from vramplan.planner.host import HostOptions, host_memory
-from vramplan.planner.levers import _candidates, plan_levers
+from vramplan.planner.levers import _candidates, _nothing_fits_note, plan_levers
 from vramplan.planner.search import bisection_cost, largest_fitting
 from vramplan.recipe import Recipe
+from vramplan.units import format_bytes
 
 # The runtime floor (CUDA context, cuBLAS and cuDNN kernels) is about 746 MiB, and the high
 # end of its range, which the verdict reads, about 1530 MiB: these cards leave a tiny model
@@ -196,3 +199,25 @@ def test_plan_prints_whole_flags_on_a_narrow_terminal(capsys, monkeypatch, tiny_
     for lever in data["levers"]:
         assert any(line.strip() == f"{lever['name']}: {lever['flags']}" for line in lines)
     assert any(data["plan"]["flags"] in line for line in lines)
+
+
+def test_a_plan_refused_only_by_the_high_ends_says_what_fits_at_the_central_figure(tiny_cnn):
+    """On a 1 GiB card a tiny CNN's central figure is under the usable line but the high
+    end of its range (the runtime floor's unknowns) is past it, with every lever: no plan,
+    and the note names the least central figure and the unknown, not a larger card."""
+    result = plan_levers(_bench(tiny_cnn, "1GiB"), Recipe(batch_size=1, input_shape=(3, 32, 32)))
+    verdict = result.baseline.verdict
+    assert result.plan is None and verdict.status == "tight"
+    assert verdict.central_bytes <= verdict.usable_bytes < verdict.compared_bytes
+    rows = [result.baseline, *(lever.estimate for lever in result.levers)]
+    least = min(row.verdict.central_bytes for row in rows)
+    note = result.notes[-1]
+    assert f"needs {format_bytes(least)} at the central figure" in note
+    assert "CUDA context" in note and "larger card" not in note
+    # the same rows on a card under every central figure: a larger card is needed
+    small = judge("small", least, 0.0, least + 1)
+    past = [
+        replace(lever, estimate=replace(lever.estimate, verdict=small)) for lever in result.levers
+    ]
+    refusal = _nothing_fits_note(replace(result.baseline, verdict=small), past)
+    assert "a larger card, or sharding across GPUs, is needed" in refusal

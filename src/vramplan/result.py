@@ -189,6 +189,9 @@ class Verdict:
     status: Literal["fits", "tight", "oom"]
     compared_bytes: int
     usable_bytes: int
+    central_bytes: int
+    """The job's central device total, read against the same line (``compared_bytes`` is
+    its high end)."""
 
     @property
     def spare_bytes(self) -> int:
@@ -204,6 +207,7 @@ class Verdict:
             "compared_bytes": self.compared_bytes,
             "usable_bytes": self.usable_bytes,
             "spare_bytes": self.spare_bytes,
+            "central_bytes": self.central_bytes,
         }
 
 

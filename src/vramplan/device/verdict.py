@@ -23,7 +23,7 @@ def judge(
     allocator simulation could not serve the step within the card (``allocator_oom``;
     ``None`` when it was not run, then the device total alone decides). ``capacity`` is
     what the job can use: the card less the driver's reserve. ``compared_bytes`` is the
-    figure read: the high end."""
+    figure read: the high end; ``central_bytes`` the central one."""
     usable = int(capacity * (1.0 - headroom))
     high = device_total if high is None else max(high, device_total)
     if allocator_oom or (allocator_oom is None and device_total > capacity):
@@ -39,4 +39,5 @@ def judge(
         status=status,
         compared_bytes=high,
         usable_bytes=usable,
+        central_bytes=device_total,
     )

@@ -17,12 +17,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from vramplan.device.replay import SETTLES
 from vramplan.distributed.layout import ParallelLayout
 from vramplan.planner.bench import Workbench
 from vramplan.planner.further import further
 from vramplan.planner.throughput import Throughput
 from vramplan.recipe import FUSED_OPTIMIZERS, Recipe
 from vramplan.result import Component, Estimate
+from vramplan.units import format_bytes
 
 ADAM_FAMILY = ("adam", "adamw")
 FLAG_NAMES = {
@@ -540,11 +542,36 @@ def plan_levers(bench: Workbench, recipe: Recipe) -> PlanResult:
         if throughput is not None and plan is not None:
             notes.append(throughput.note)
     if baseline.verdict.status != "fits" and plan is None:
-        notes.append(
+        notes.append(_nothing_fits_note(baseline, levers))
+    return PlanResult(baseline, tuple(levers), plan, tuple(notes))
+
+
+def _nothing_fits_note(baseline: Estimate, levers: list[LeverResult]) -> str:
+    """Why no plan fits: the card is too small, or only the high ends of the ranges pass
+    its line (a plan needs the high end under it). Then the step or lever that reads least
+    at the central figure, under the line, and the unknown its range is widest for."""
+    rows = [("the step as it is", baseline), *((lever.name, lever.estimate) for lever in levers)]
+    under = [
+        (estimate.verdict.central_bytes, name, estimate)
+        for name, estimate in rows
+        if estimate.verdict.central_bytes <= estimate.verdict.usable_bytes
+    ]
+    if not under:
+        return (
             "no combination of these levers fits this card at this batch: "
             "a larger card, or sharding across GPUs, is needed"
         )
-    return PlanResult(baseline, tuple(levers), plan, tuple(notes))
+    central, name, estimate = min(under, key=lambda row: row[0])
+    verdict = estimate.verdict
+    widest = estimate.details.get("range", {}).get("widest", "")
+    unknown = SETTLES.get(widest, "the runtime terms")
+    return (
+        "no combination of these levers reads FITS at the high end of its range, which a "
+        f"plan needs: {name} needs {format_bytes(central)} at the central figure, under the "
+        f"{format_bytes(verdict.usable_bytes)} usable, and up to "
+        f"{format_bytes(verdict.compared_bytes)} depending on {unknown}; "
+        "`vramplan calibrate` on the card settles it"
+    )
 
 
 def _sharding_levers(bench: Workbench, recipe: Recipe, baseline: Estimate) -> list[LeverResult]:

@@ -180,12 +180,7 @@ def _cannot_fit_message(bench: Workbench, recipe: Recipe, knob: str) -> str:
             f"{getattr(recipe, knob)}: the allocator runs out within {within}; "
             "try `vramplan plan` for levers"
         )
-    # the verdict reads the job's own bytes; an nvml-v1 device total also counts the
-    # driver's reserve, which the usable line has already taken out
-    counted = estimate.details.get("used_counter") == "nvml-v1"
-    central = estimate.peak.device_total_bytes - (
-        estimate.runtime.get("driver_reserved", 0) if counted else 0
-    )
+    central = verdict.central_bytes
     return (
         f"{bench.model} does not fit {gpu} even at {KNOBS[knob]} "
         f"{getattr(recipe, knob)}: the high end of its range needs "
