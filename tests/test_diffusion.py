@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -102,3 +104,22 @@ def test_a_pure_bf16_cast_logs_nothing(configs):
         logger.removeHandler(handler)
     assert {p.dtype for p in built.model.parameters()} == {torch.bfloat16}
     assert [r.getMessage() for r in records] == []
+
+
+def test_building_a_model_prints_nothing_from_bitsandbytes(configs):
+    """diffusers' quantizers import bitsandbytes where it is installed; its CPU backend
+    warns (on CPUs with AVX-512 BF16) that the ``kernels`` package for its own CPU 4-bit
+    matmul is missing, once per process: a fresh process, so that the import happens."""
+    pytest.importorskip("bitsandbytes")
+    code = (
+        "import sys\n"
+        "from vramplan.recipe import Recipe\n"
+        "from vramplan.sources import resolve\n"
+        "resolve('diffusers:' + sys.argv[1], Recipe())\n"
+        "assert 'bitsandbytes' in sys.modules\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(configs["unet"])], capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
+    assert "bitsandbytes" not in done.stderr and "kernels" not in done.stderr

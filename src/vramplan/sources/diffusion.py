@@ -96,6 +96,7 @@ def _latent_shape(recipe: Recipe, config: dict) -> tuple[int, ...]:
 
 def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltModel:
     """A diffusers UNet2DConditionModel or DiTTransformer2DModel, no weights."""
+    from vramplan.library_logs import quiet_logger
     from vramplan.sources.vision import require_package
 
     diffusers = require_package("diffusers", "diffusion")
@@ -122,7 +123,9 @@ def build_diffusers(name: str, recipe: Recipe, device: str = "meta") -> BuiltMod
         )
     kwargs = {k: v for k, v in config.items() if not k.startswith("_")}
     try:
-        with torch.device(device):
+        # diffusers' quantizers import bitsandbytes where it is installed, whose CPU backend
+        # warns that a kernel package for its own CPU 4-bit matmul is missing
+        with torch.device(device), quiet_logger("bitsandbytes"):
             model = getattr(diffusers, kind)(**kwargs)
     except (TypeError, ValueError) as exc:
         raise UserError(f"diffusers model {name!r} cannot be built: {exc}") from None

@@ -10,7 +10,6 @@ the gradients of the second iteration coexist with it::
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_flatten, tree_map
 
 from vramplan.errors import UserError
+from vramplan.library_logs import quiet_logger
 from vramplan.limits import time_limit
 from vramplan.optimizers import build_optimizer, optimizer_state_tensors, step_hooks
 from vramplan.recipe import Recipe
@@ -141,19 +141,6 @@ class TracingSession:
 
 
 @contextlib.contextmanager
-def _quiet_fake_tensor_logs() -> Iterator[None]:
-    """FakeTensorMode logs a traceback before re-raising a meta kernel's error; the user
-    gets our one-line explanation instead."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
-    level = logger.level
-    logger.setLevel(logging.CRITICAL)
-    try:
-        yield
-    finally:
-        logger.setLevel(level)
-
-
-@contextlib.contextmanager
 def tracing(
     model: nn.Module,
     policy: DevicePolicy,
@@ -172,7 +159,9 @@ def tracing(
     session = TracingSession(recorder, modules, FakeTensorMode(), policy)
     try:
         with (
-            _quiet_fake_tensor_logs(),
+            # FakeTensorMode logs a traceback before re-raising a meta kernel's error; the
+            # user gets our one-line explanation instead
+            quiet_logger("torch._subclasses.fake_tensor"),
             session.fake,
             session.recorder,
             storage_resizes(session.recorder),
