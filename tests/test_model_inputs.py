@@ -152,3 +152,40 @@ def test_llava_image_tokens_match_what_the_model_checks(tmp_path):
 def test_target_len_needs_a_decoder(tmp_path):
     with pytest.raises(UserError, match="no decoder"):
         resolve(_config(tmp_path, LLAVA), Recipe(target_len=8))
+
+
+GEMMA3 = {
+    "model_type": "gemma3",
+    "architectures": ["Gemma3ForConditionalGeneration"],
+    "image_token_index": 95,
+    "boi_token_index": 93,
+    "eoi_token_index": 94,
+    "mm_tokens_per_image": 4,
+    "vision_config": {**VISION, "model_type": "siglip_vision_model", "vision_use_head": False},
+    "text_config": {
+        "model_type": "gemma3_text",
+        "vocab_size": 96,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "sliding_window": 8,
+    },
+}
+
+
+def test_gemma3_puts_its_pooled_image_tokens_in_the_text(tmp_path):
+    """Gemma 3's projector pools the 16 vision patches to ``mm_tokens_per_image`` (4): the
+    text holds that many image tokens, not one per patch (which the model refuses, built
+    for real on the CPU), and the token types its processor returns mark them."""
+    model = _config(tmp_path, GEMMA3)
+    built = resolve(model, Recipe(seq_len=8), device="cpu")
+    batch = built.make_batch(1, torch.float32)
+    assert tuple(batch["input_ids"].shape) == (1, 4 + 8)
+    assert batch["token_type_ids"].tolist() == [[1] * 4 + [0] * 8]
+    with torch.no_grad():
+        built.model(**batch)  # raises if the token count and the features disagree
+    recipe = Recipe(seq_len=8, precision="bf16")
+    assert estimate_built(resolve(model, recipe), recipe, "cuda").peak.allocated_bytes > 0

@@ -11,6 +11,7 @@ decoder length (``--target-len``), image and text together for CLIP/SigLIP and L
 from __future__ import annotations
 
 import contextlib
+import inspect
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -189,7 +190,8 @@ def example_inputs(model: nn.Module, kind: str, recipe: Recipe, label: str) -> E
     if kind == "contrastive":
         return _contrastive(config, recipe, label)
     if kind == "vision-language":
-        return _vision_language(config, recipe, label)
+        typed = "token_type_ids" in inspect.signature(model.forward).parameters
+        return _vision_language(config, recipe, label, typed)
     if kind == "embedding":
         return _embedding(config, recipe, label)
     return _text(config, kind, recipe, label)
@@ -352,15 +354,23 @@ def _contrastive(config, recipe: Recipe, label: str) -> ExampleInputs:
 
 
 def image_tokens(config) -> int:
-    """Image tokens a LLaVA-style model puts in the text: one per vision patch (the CLS
-    token dropped by the ``default`` feature strategy)."""
+    """Image tokens a vision-language model puts in the text for one image: Gemma 3's
+    projector pools the vision patches to ``mm_tokens_per_image`` (256 for 4096 patches);
+    a LLaVA-style model keeps one per patch (the CLS token dropped by the ``default``
+    feature strategy)."""
+    pooled = getattr(config, "mm_tokens_per_image", None)
+    if pooled:
+        return int(pooled)
     vision = config.vision_config
     patches = (vision.image_size // vision.patch_size) ** 2
     strategy = getattr(config, "vision_feature_select_strategy", "default")
     return patches + (1 if strategy == "full" else 0)
 
 
-def _vision_language(config, recipe: Recipe, label: str) -> ExampleInputs:
+def _vision_language(config, recipe: Recipe, label: str, typed: bool) -> ExampleInputs:
+    """One image's tokens before the text; with ``typed`` (Gemma 3, PaliGemma) the
+    ``token_type_ids`` their processors return (1 on image tokens), from which the model
+    builds its attention mask, bidirectional within an image."""
     text = text_length(config.text_config, recipe, label)
     _fixed_image(recipe, label)
     shape = image_shape(config.vision_config, recipe)
@@ -376,11 +386,14 @@ def _vision_language(config, recipe: Recipe, label: str) -> ExampleInputs:
             ],
             dim=1,
         )
-        return {
+        batch = {
             "input_ids": ids,
             "pixel_values": torch.randn(batch_size, *shape, dtype=dtype),
             "labels": ids,
         }
+        if typed:
+            batch["token_type_ids"] = (ids == image_id).long()
+        return batch
 
     notes = [  # generate states its own prompt (image tokens + --prompt-len)
         f"one image per sample ({_image_note(shape)}) as {images} image tokens before "
