@@ -1014,7 +1014,8 @@ def repeat_built(
     model = built.model
     if not built.name.startswith(DEFAULT_SOURCES):
         return None, ""
-    runs = _alike_runs(block_containers(model))
+    containers = block_containers(model)
+    runs = _alike_runs(containers)
     run = _longest(runs)
     if run is None:
         return None, _unlike_note(runs)
@@ -1030,6 +1031,12 @@ def repeat_built(
     rebuilder = _Rebuilder(built, recipe, run, parts, trace_model, kind)
     if not rebuilder.expanding:
         return None, f"full trace: {label} have no stretch of more than {CHECK} alike"
+    traces = len(set(leaves(parts, rebuilder.expanding)))
+    if _whole_is_cheaper(run, containers, blocks_traced(parts), traces):
+        return None, (
+            f"full trace: each of the {traces} short traces of the {label} would also run "
+            "the rest of the model (another stack of blocks), more than tracing it once"
+        )
     if len(parts) > 1 and built.short_traces is None:
         short = blocks_traced(parts)
         if short > SHORTER * run.length:
@@ -1054,6 +1061,39 @@ def repeat_built(
     if stash:
         why = f"an offloaded block input stays on the card up to {tricks.FORWARD_STASH} blocks"
     return trace, _note(label, parts, len(rebuilder.traces), why)
+
+
+def _whole_is_cheaper(
+    run: BlockRun,
+    containers: list[tuple[str, nn.Module]],
+    short_blocks: int,
+    traces: int,
+) -> bool:
+    """Whether one trace of the whole model costs less than ``traces`` short ones holding
+    ``short_blocks`` of the run's blocks in all, because each short trace runs the other
+    stacks of blocks in ``containers`` whole: the text stack beside a vision tower, a
+    decoder beside its encoder. Costs are counted in leaf modules, which trace about alike
+    (what lies outside every stack, run by either way, is left out: a single stack keeps
+    its short traces).
+
+    >>> encoder = nn.Sequential(*[nn.Linear(2, 2) for _ in range(24)])
+    >>> decoder = nn.Sequential(*[nn.Linear(2, 2) for _ in range(24)])
+    >>> _whole_is_cheaper(BlockRun("e", 0, 24), [("e", encoder), ("d", decoder)], 9, 3)
+    True
+    >>> _whole_is_cheaper(BlockRun("e", 0, 24), [("e", encoder)], 9, 3)
+    False
+    """
+
+    def leaves(module: nn.Module) -> int:
+        return sum(1 for m in module.modules() if next(m.children(), None) is None)
+
+    def nested(a: str, b: str) -> bool:
+        return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+    run_blocks = dict(containers)[run.path]
+    per_block = leaves(list(run_blocks.children())[run.start])
+    other = sum(leaves(c) for path, c in containers if not nested(path, run.path))
+    return other > 0 and (traces - 1) * other >= (run.length - short_blocks) * per_block
 
 
 def _stash_reason(recipe: Recipe) -> str:
