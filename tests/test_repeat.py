@@ -188,3 +188,17 @@ def test_blocks_that_are_not_alike_are_traced_whole_and_the_notes_say_why(tmp_pa
         "full trace: the 6 model.layers blocks are not alike (at most 1 identical in a row; "
         "runs of 5 or more are traced once and repeated)"
     ) in estimate.notes
+
+
+def test_an_encoder_decoder_is_traced_whole_rather_than_its_decoder_three_times(tmp_path):
+    """Each short trace of T5's encoder stack would run the whole decoder stack too: one
+    trace of the whole model costs less (``_whole_is_cheaper``), and the note says so."""
+    path = tmp_path / "t5.json"
+    t5 = {"model_type": "t5", "architectures": ["T5ForConditionalGeneration"], "vocab_size": 96}
+    t5 |= {"d_model": 32, "d_kv": 8, "d_ff": 64, "num_layers": 7, "num_heads": 4}
+    path.write_text(json.dumps({**t5, "decoder_start_token_id": 0, "pad_token_id": 0}))
+    recipe = Recipe(batch_size=2, seq_len=16)
+    built = resolve(f"hf:{path}", recipe)
+    estimate = trace_and_estimate(built, recipe, "cuda", device_options(gpu="a100-80gb"))
+    assert any("would also run the rest of the model" in note for note in estimate[0].notes)
+    assert not any(note.startswith("repeated blocks") for note in estimate[0].notes)
