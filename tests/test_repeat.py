@@ -162,32 +162,54 @@ def test_full_trace_flag(run_cli, tmp_path):
     assert not any("repeated blocks" in n for n in out[("--full-trace",)]["notes"])
 
 
+GEMMA2 = {
+    "model_type": "gemma2",
+    "architectures": ["Gemma2ForCausalLM"],
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    "sliding_window": 16,
+    "max_position_embeddings": 128,
+}
+
+
 def test_blocks_that_are_not_alike_are_traced_whole_and_the_notes_say_why(tmp_path):
     """Gemma 2 alternates sliding-window and global attention layers, so no two neighbours
-    are alike: the 6 blocks are traced whole, and the note says how many in a row were."""
-    config = {
-        "model_type": "gemma2",
-        "architectures": ["Gemma2ForCausalLM"],
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 6,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "vocab_size": 256,
-        "sliding_window": 16,
-        "max_position_embeddings": 128,
-    }
+    are alike: 6 blocks, 3 patterns of 2, are too few to repeat; they are traced whole,
+    and the note says how many in a row were alike and how the blocks repeat."""
     path = tmp_path / "gemma2.json"
-    path.write_text(json.dumps(config))
+    path.write_text(json.dumps(GEMMA2))
     recipe = Recipe(batch_size=2, seq_len=32)
     estimate, _ = trace_and_estimate(
         resolve(f"hf:{path}", recipe), recipe, "cuda", device_options(gpu="a100-80gb")
     )
-    assert (
+    unlike = (
         "full trace: the 6 model.layers blocks are not alike (at most 1 identical in a row; "
-        "runs of 5 or more are traced once and repeated)"
-    ) in estimate.notes
+        "runs of 5 or more are traced once and repeated) (they repeat every 2 blocks"
+    )
+    assert any(note.startswith(unlike) for note in estimate.notes)
+
+
+@pytest.mark.parametrize("knobs", [{}, {"checkpointing": "full", "precision": "amp-bf16"}])
+def test_blocks_that_repeat_in_pairs_are_rebuilt_in_units_of_two(tmp_path, monkeypatch, knobs):
+    """10 Gemma 2 layers are 5 pairs of a sliding-window and a global one: traced as 2, 3
+    and 4 pairs and rebuilt, they equal the full trace."""
+    monkeypatch.setattr("vramplan.trace.repeat.PERIODS", 5)
+    path = tmp_path / "gemma2.json"
+    path.write_text(json.dumps({**GEMMA2, "num_hidden_layers": 10}))
+    recipe = Recipe(batch_size=2, seq_len=32, **knobs)
+    results = []
+    for repeat in (False, True):
+        built = resolve(f"hf:{path}", recipe)
+        built.repeat_blocks = repeat
+        results.append(trace_and_estimate(built, recipe, "cuda", device_options(gpu="h100")))
+    full, repeated = results
+    assert any("stretches of 5 units of 2 blocks" in note for note in repeated[0].notes)
+    _assert_equal(full, repeated)
 
 
 def test_an_encoder_decoder_is_traced_whole_rather_than_its_decoder_three_times(tmp_path):

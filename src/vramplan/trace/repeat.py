@@ -56,6 +56,11 @@ SHORTER = 0.6
 traces hold at most this share of the blocks (32 blocks checkpointed 12 and 20 plain take
 five short traces of 4-8 blocks: tracing all 32 costs less); ``plan``, which shares the
 short traces between its estimates, always repeats them."""
+MAX_PERIOD = 8
+"""The longest pattern of unlike blocks looked for in a run (Gemma 2: 2; Gemma 3: 6)."""
+PERIODS = 12
+"""A run whose blocks repeat a pattern is traced short when it holds this many patterns or
+more: its short traces hold 9 patterns (2, 3 and 4), so fewer would save little."""
 DEFAULT_SOURCES = ("hf:", "diffusers:")
 """Models repeated by default: those whose exactness the tests prove (GPT-2, BERT, ViT,
 Llama; diffusers' DiT, whose UNets have no run long enough); any other model is traced
@@ -1016,7 +1021,9 @@ def repeat_built(
         return None, ""
     containers = block_containers(model)
     runs = _alike_runs(containers)
-    run = _longest(runs)
+    run, period = _longest(runs), 1
+    if run is None:
+        run, period = _periodic_run(containers)
     if run is None:
         return None, _unlike_note(runs)
     label = f"{run.length} {run.path} blocks"
@@ -1026,6 +1033,14 @@ def repeat_built(
         parts = _stash_units(recipe, run.length)
         if parts is None:
             return None, f"full trace: {label} do not repeat exactly ({stash})"
+    if period > 1:
+        parts = _period_units(parts, period, stash)
+        if parts is None:
+            return None, (
+                f"{_unlike_note(runs)} (they repeat every {period} blocks, which is traced "
+                "short only with every block recomputed or none, without offloading, and "
+                f"{PERIODS} or more times over)"
+            )
     stack = ModuleStack()
     stack.name_modules(model)
     rebuilder = _Rebuilder(built, recipe, run, parts, trace_model, kind)
@@ -1058,9 +1073,55 @@ def repeat_built(
     cast_parameters(model, recipe)  # as the traced copies were
     trace = replace(trace, module_kinds=dict(stack.kinds))
     why = "checkpointed or not"
+    if period > 1:
+        why = f"the blocks repeat a pattern of {period}, as sliding-window and global layers do"
     if stash:
         why = f"an offloaded block input stays on the card up to {tricks.FORWARD_STASH} blocks"
     return trace, _note(label, parts, len(rebuilder.traces), why)
+
+
+def _periodic_run(containers: list[tuple[str, nn.Module]]) -> tuple[BlockRun | None, int]:
+    """The container of ``MIN_BLOCKS`` or more blocks whose blocks repeat a pattern of a
+    few unlike ones from its first block to its last (Gemma 2: a sliding-window layer,
+    then a global one), as a run, with the pattern's length; (None, 1) where none does.
+
+    >>> alternating = nn.Sequential(*[nn.Linear(2, 2 + i % 2) for i in range(20)])
+    >>> _periodic_run([("layers", alternating)])
+    (BlockRun(path='layers', start=0, end=20, width=1), 2)
+    """
+    found: tuple[BlockRun | None, int] = (None, 1)
+    for path, container in containers:
+        children = list(container.children())
+        if len(children) < MIN_BLOCKS or len(children) != len(container._modules):
+            continue
+        signatures = [signature(child) for child in children]
+        for period in range(2, MAX_PERIOD + 1):
+            if all(signatures[i] == signatures[i - period] for i in range(period, len(children))):
+                if found[0] is None or len(children) > found[0].length:
+                    found = (BlockRun(path, 0, len(children)), period)
+                break
+    return found
+
+
+def _period_units(
+    parts: tuple[Segment, ...], period: int, stash: str
+) -> tuple[Segment, ...] | None:
+    """Units of one ``period`` of blocks for a run whose blocks repeat in that pattern, the
+    blocks left over a tail traced as they are; None where the recipe already cuts the run
+    otherwise (some blocks recomputed, offloading's units) or the run holds fewer than
+    ``PERIODS`` patterns (the short traces would hold too many of its blocks).
+
+    >>> _period_units((Segment(1, 42),), 2, "")
+    (Segment(width=2, units=21),)
+    >>> _period_units((Segment(1, 34),), 6, "") is None
+    True
+    """
+    if stash or len(parts) != 1 or parts[0].width != 1:
+        return None
+    units, tail = divmod(parts[0].units, period)
+    if units < PERIODS:
+        return None
+    return (Segment(period, units),) + ((Segment(1, tail),) if tail else ())
 
 
 def _whole_is_cheaper(
