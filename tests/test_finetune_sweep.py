@@ -98,3 +98,17 @@ def test_nf4_says_when_3d_expert_weights_stay_unquantized(tmp_path):
     assert any(f"leaves {experts:,} expert weights unquantized" in n for n in fused.notes)
     linear = resolve(f"hf:{path}", Recipe(seq_len=8, quantize="nf4", experts="linear"))
     assert not any("expert weights unquantized" in n for n in linear.notes)
+
+
+def test_a_convolution_weight_is_not_called_an_expert_weight():
+    """A vision tower's patch embedding is a convolution, whose weight has 4 dimensions:
+    no expert weights are left unquantized there (Gemma 3 read 677,376 before)."""
+    from torch import nn
+
+    from vramplan.sources.finetune import _unreached_experts
+
+    tower = nn.Sequential(nn.Conv2d(3, 8, 14, stride=14), nn.Flatten(), nn.Linear(8, 8))
+    assert _unreached_experts(tower, "nf4") == []
+    experts = nn.Module()
+    experts.gate_up_proj = nn.Parameter(torch.zeros(2, 4, 8))
+    assert "leaves 64 expert weights unquantized" in _unreached_experts(experts, "nf4")[0]

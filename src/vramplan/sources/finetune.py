@@ -283,8 +283,15 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
 def _unreached_experts(model: nn.Module, scheme: str) -> list[str]:
     """A note when expert weights stay unquantized: transformers 5 holds a mixture of
     experts' weights as 3-D parameters, which ``replace_with_bnb_linear`` (``nn.Linear``
-    and ``Conv1D`` only) does not reach."""
-    kept = sum(p.numel() for p in model.parameters() if p.dim() >= 3)
+    and ``Conv1D`` only) does not reach. A convolution's weight (a vision tower's patch
+    embedding) has 3 or more dimensions too and is not an expert's."""
+    kept = sum(
+        p.numel()
+        for module in model.modules()
+        if not isinstance(module, nn.modules.conv._ConvNd)
+        for p in module.parameters(recurse=False)
+        if p.dim() >= 3
+    )
     if not kept:
         return []
     return [
