@@ -7,6 +7,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_GEMMA3
 
 from vramplan.errors import UserError
 from vramplan.pipeline import estimate_built
@@ -154,33 +155,11 @@ def test_target_len_needs_a_decoder(tmp_path):
         resolve(_config(tmp_path, LLAVA), Recipe(target_len=8))
 
 
-GEMMA3 = {
-    "model_type": "gemma3",
-    "architectures": ["Gemma3ForConditionalGeneration"],
-    "image_token_index": 95,
-    "boi_token_index": 93,
-    "eoi_token_index": 94,
-    "mm_tokens_per_image": 4,
-    "vision_config": {**VISION, "model_type": "siglip_vision_model", "vision_use_head": False},
-    "text_config": {
-        "model_type": "gemma3_text",
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "sliding_window": 8,
-    },
-}
-
-
 def test_gemma3_puts_its_pooled_image_tokens_in_the_text(tmp_path):
     """Gemma 3's projector pools the 16 vision patches to ``mm_tokens_per_image`` (4): the
     text holds that many image tokens, not one per patch (which the model refuses, built
     for real on the CPU), and the token types its processor returns mark them."""
-    model = _config(tmp_path, GEMMA3)
+    model = _config(tmp_path, TINY_GEMMA3)
     built = resolve(model, Recipe(seq_len=8), device="cpu")
     batch = built.make_batch(1, torch.float32)
     assert tuple(batch["input_ids"].shape) == (1, 4 + 8)

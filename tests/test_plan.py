@@ -8,7 +8,7 @@ import re
 from dataclasses import replace
 
 import pytest
-from conftest import PLAN_LLAMA
+from conftest import PLAN_LLAMA, TINY_GEMMA3
 
 from vramplan import estimate
 from vramplan.cli import main
@@ -17,7 +17,12 @@ from vramplan.device.verdict import judge
 from vramplan.errors import UserError
 from vramplan.planner.bench import Workbench
 from vramplan.planner.host import HostOptions, host_memory
-from vramplan.planner.levers import _candidates, _nothing_fits_note, plan_levers
+from vramplan.planner.levers import (
+    _candidates,
+    _finetune_candidates,
+    _nothing_fits_note,
+    plan_levers,
+)
 from vramplan.planner.search import bisection_cost, largest_fitting
 from vramplan.recipe import Recipe
 from vramplan.units import format_bytes
@@ -221,3 +226,16 @@ def test_a_plan_refused_only_by_the_high_ends_says_what_fits_at_the_central_figu
     ]
     refusal = _nothing_fits_note(replace(result.baseline, verdict=small), past)
     assert "a larger card, or sharding across GPUs, is needed" in refusal
+
+
+def test_a_vision_language_model_is_offered_lora_and_qlora(tmp_path):
+    """Full fine-tuning of a vision-language model that does not fit: LoRA and QLoRA are
+    levers, as for a decoder (all linear layers adapted, the vision tower's too)."""
+    path = tmp_path / "gemma3.json"
+    path.write_text(json.dumps(TINY_GEMMA3))
+    bench = _bench(f"hf:{path}", "700MiB")
+    recipe = Recipe(batch_size=1, seq_len=8)
+    assert bench.estimate(recipe).verdict.status != "fits"
+    offered = {name: changes for name, changes, _ in _finetune_candidates(bench, recipe)}
+    assert offered["LoRA"]["lora_targets"] == "all-linear"
+    assert offered["QLoRA"]["quantize"] == "nf4"

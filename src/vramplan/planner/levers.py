@@ -47,6 +47,8 @@ FLAG_NAMES = {
 LORA = {"lora_rank": 16, "lora_targets": "all-linear"}
 QLORA = {"quantize": "nf4", "double_quant": True, **LORA}
 FINETUNE_LEVERS = ("LoRA", "QLoRA")
+FINETUNED_KINDS = ("causal-lm", "vision-language")
+"""The model kinds ``plan`` offers LoRA and QLoRA for."""
 
 
 @dataclass(frozen=True)
@@ -236,15 +238,16 @@ def _trick_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict,
 
 
 def _finetune_candidates(bench: Workbench, recipe: Recipe) -> list[tuple[str, dict, dict]]:
-    """LoRA and QLoRA, for a Hugging Face decoder being fully fine-tuned that does not fit:
-    they change what is trained (adapters only), so they come after the full-training
-    levers."""
+    """LoRA and QLoRA, for a Hugging Face decoder or vision-language model being fully
+    fine-tuned that does not fit (all linear layers adapted, the vision tower's too, as
+    TRL's vision-language recipes do): they change what is trained (adapters only), so
+    they come after the full-training levers."""
     if not (recipe.is_training and bench.model.startswith("hf:")):
         return []
     if recipe.lora_rank or recipe.quantize != "none" or recipe.freeze or recipe.train_only:
         return []
     baseline = bench.estimate(recipe)
-    if baseline.model.kind != "causal-lm" or baseline.verdict.status == "fits":
+    if baseline.model.kind not in FINETUNED_KINDS or baseline.verdict.status == "fits":
         return []
     return [
         (
