@@ -1,7 +1,8 @@
-"""Log records of the libraries underneath that a user of vramplan need not see::
+"""Log records of the libraries underneath that a user of vramplan need not see, held
+back around the call that makes them::
 
-with quiet_logger("bitsandbytes"):
-    import_a_library_that_imports_it()
+    with quiet_logger("bitsandbytes"):
+        import_a_library_that_imports_it()
 """
 
 from __future__ import annotations
