@@ -91,6 +91,25 @@ def tiny_llama(tmp_path_factory) -> str:
     return f"hf:{path}"
 
 
+# A one-layer CLIP vision tower over 56 x 56 images: 16 patches of 14 x 14.
+TINY_VISION = {
+    "model_type": "clip_vision_model",
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+    "image_size": 56,
+    "patch_size": 14,
+}
+# The text stack of the tiny vision-language models: two layers over a 96-token vocabulary.
+TINY_TEXT = {
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+}
 # A Gemma 3 vision-language model: a 1-layer SigLIP tower over 56 x 56 images (16 patches,
 # pooled to 4 image tokens) and a 2-layer text stack.
 TINY_GEMMA3 = {
@@ -100,27 +119,8 @@ TINY_GEMMA3 = {
     "boi_token_index": 93,
     "eoi_token_index": 94,
     "mm_tokens_per_image": 4,
-    "vision_config": {
-        "model_type": "siglip_vision_model",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "image_size": 56,
-        "patch_size": 14,
-        "vision_use_head": False,
-    },
-    "text_config": {
-        "model_type": "gemma3_text",
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 8,
-        "sliding_window": 8,
-    },
+    "vision_config": {**TINY_VISION, "model_type": "siglip_vision_model", "vision_use_head": False},
+    "text_config": {**TINY_TEXT, "model_type": "gemma3_text", "head_dim": 8, "sliding_window": 8},
 }
 
 

@@ -10,6 +10,7 @@ import json
 
 import pytest
 import torch
+from conftest import TINY_TEXT, TINY_VISION
 
 from vramplan import Session, UserError
 
@@ -145,24 +146,8 @@ LLAVA = {
     "image_token_id": 95,
     "vision_feature_layer": -1,
     "vision_feature_select_strategy": "default",
-    "vision_config": {
-        "model_type": "clip_vision_model",
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        "image_size": 56,
-        "patch_size": 14,
-    },
-    "text_config": {
-        "model_type": "llama",
-        "vocab_size": 96,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-    },
+    "vision_config": TINY_VISION,
+    "text_config": {**TINY_TEXT, "model_type": "llama"},
 }
 
 

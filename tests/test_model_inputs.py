@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_GEMMA3
+from conftest import TINY_GEMMA3, TINY_VISION
 
 from vramplan.errors import UserError
 from vramplan.pipeline import estimate_built
@@ -46,15 +46,7 @@ T5 = {
     "decoder_start_token_id": 0,
     "pad_token_id": 0,
 }
-VISION = {
-    "model_type": "clip_vision_model",
-    "hidden_size": 32,
-    "intermediate_size": 64,
-    "num_hidden_layers": 1,
-    "num_attention_heads": 4,
-    "image_size": 56,
-    "patch_size": 14,
-}
+VISION = TINY_VISION
 CLIP = {
     "model_type": "clip",
     "architectures": ["CLIPModel"],
