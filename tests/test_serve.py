@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from conftest import TINY_GEMMA3
 
 import vramplan
 from vramplan import UserError
@@ -116,3 +117,13 @@ def test_serve_needs_a_card(model, run_cli):
     assert code == 2 and "--gpu" in err
     with pytest.raises(UserError, match="not a causal language model"):
         vramplan.serve("torchvision:resnet18", gpu="h100")
+
+
+def test_a_vision_language_model_serves_its_text_stacks_positions(tmp_path):
+    """vLLM's default max_model_len is the text stack's positions (Gemma 3: 131072), which
+    a vision-language config holds in its text config, not at its top level."""
+    path = tmp_path / "config.json"
+    text = {**TINY_GEMMA3["text_config"], "max_position_embeddings": 1536}
+    path.write_text(json.dumps({**TINY_GEMMA3, "text_config": text}))
+    served = vramplan.serve(f"hf:{path}", gpu="h100", **SMALL)
+    assert served.options.max_model_len == 1536

@@ -262,7 +262,8 @@ def plan_serving(built: BuiltModel, options: ServeOptions, device: DeviceOptions
     gpu = device.card
     table = serving_table()[options.engine]
     config = built.model.config
-    model_len = int(getattr(config, "max_position_embeddings", 0) or 0) or 4096
+    text = config.get_text_config()  # a vision-language model's positions are its text stack's
+    model_len = int(getattr(text, "max_position_embeddings", 0) or 0) or 4096
     options = with_defaults(options, gpu, model_len)
     layers, kv_heads, head_dim = _kv_shape(config)
     if options.tp > 1 and kv_heads % options.tp and options.tp % kv_heads:
