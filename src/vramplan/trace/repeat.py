@@ -1145,15 +1145,15 @@ def _whole_is_cheaper(
     False
     """
 
-    def leaves(module: nn.Module) -> int:
+    def leaf_modules(module: nn.Module) -> int:
         return sum(1 for m in module.modules() if next(m.children(), None) is None)
 
     def nested(a: str, b: str) -> bool:
         return a == b or a.startswith(b + ".") or b.startswith(a + ".")
 
     run_blocks = dict(containers)[run.path]
-    per_block = leaves(list(run_blocks.children())[run.start])
-    other = sum(leaves(c) for path, c in containers if not nested(path, run.path))
+    per_block = leaf_modules(list(run_blocks.children())[run.start])
+    other = sum(leaf_modules(c) for path, c in containers if not nested(path, run.path))
     return other > 0 and (traces - 1) * other >= (run.length - short_blocks) * per_block
 
 
