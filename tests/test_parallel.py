@@ -6,13 +6,16 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 
 import pytest
 
 from vramplan.planner.levers import _accumulation_trials, _between
 from vramplan.planner.parallel import can_fork
+from vramplan.planner.shared_traces import ShortTraceStore
 from vramplan.recipe import Recipe
 from vramplan.session import Session
+from vramplan.trace.autograd_fork import forked_autograd_runs
 
 needs_fork = pytest.mark.skipif(not can_fork(), reason="workers are forked on Linux only")
 
@@ -52,16 +55,89 @@ def test_max_batch_side_by_side_equals_one_at_a_time(tiny_cnn):
 
 @needs_fork
 def test_a_session_that_traced_before_plans_one_trace_at_a_time(tiny_cnn):
-    """After a backward in this process, forked workers cannot run autograd: they say so
-    and the bench traces every recipe itself, with the same answer."""
+    """After a traced training step in this process, forked workers could not run
+    autograd: none is forked, and the bench traces every recipe itself, with the same
+    answer."""
     answers = []
     for jobs in (1, 2):
         session = Session(tiny_cnn, gpu_memory="1750MiB", jobs=jobs)
         session.estimate(batch_size=2, input_shape=(3, 32, 32))  # autograd has run here
+        assert not forked_autograd_runs()
         plan = session.plan(batch_size=64, input_shape=(3, 32, 32))
         assert plan.side_by_side == 0
         answers.append(_without_timing(plan.to_json()))
     assert answers[0] == answers[1]
+
+
+_FAULTY_SCRIPT = """
+import json, os, sys, time
+from vramplan.planner import parallel
+from vramplan.trace import autograd_fork
+from vramplan.session import Session
+
+model, jobs, fault, met = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[4]
+traced_in_worker = parallel._trace_in_worker
+
+def faulty(recipe):  # in a worker: batch 2 meets the fault
+    if recipe.batch_size == 2 and fault in ("dies", "hangs"):
+        open(met, "a").close()
+        if fault == "dies":
+            os._exit(9)  # as the kernel's out-of-memory killer ends a process
+        time.sleep(3600)
+    return traced_in_worker(recipe)
+
+parallel._trace_in_worker = faulty
+parallel.patience = lambda: 3.0
+shape = (3, 32, 32)
+if fault == "traced before":  # a backward the tracer did not note: the workers' probe fails
+    Session(model, gpu_memory="1800MiB").estimate(batch_size=2, input_shape=shape)
+    autograd_fork._ran_backward = False
+session = Session(model, gpu_memory="1800MiB", jobs=jobs)
+search = session.max_batch(input_shape=shape, optimizer="sgd")
+print(json.dumps({"search": search.to_json(), "side_by_side": search.side_by_side}))
+"""
+
+
+@needs_fork
+@pytest.mark.parametrize("fault", ["dies", "hangs", "traced before"])
+def test_a_lost_worker_leaves_the_answer_to_the_bench(tiny_cnn, fault, tmp_path):
+    """A worker killed mid-trace, one that never answers (taken back after ``patience``),
+    or workers whose autograd refuses to run: the search ends with the answer of tracing
+    one recipe at a time."""
+    met = tmp_path / "met"
+
+    def search(jobs: int, fault: str) -> dict:
+        done = subprocess.run(
+            [sys.executable, "-c", _FAULTY_SCRIPT, tiny_cnn, str(jobs), fault, str(met)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    alone, faulty = search(1, "none"), search(2, fault)
+    assert alone["side_by_side"] == 0
+    assert faulty["side_by_side"] == 0 if fault == "traced before" else met.exists()
+    traces = ("trace_seconds", "traces_side_by_side", "traces", "trace_labels")
+    assert _without_timing(faulty["search"], traces) == _without_timing(alone["search"], traces)
+
+
+def test_a_claim_of_a_process_that_ended_is_given_up(tmp_path):
+    """A short trace claimed by a worker that died is traced by the next who needs it at
+    once, not after ``WAIT``; one claimed by a live worker is waited for."""
+    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                           capture_output=True, text=True, check=True)  # fmt: skip
+    store = ShortTraceStore(tmp_path, {})
+    (tmp_path / "x").write_text("")
+    assert store.claim(("mine",)) and not store.claim(("mine",))
+    assert not store.wait(("mine",), timeout=0.2)  # this process claimed it and lives on
+    store._path(("theirs",), ".claim").write_text(ended.stdout.strip())
+    start = time.monotonic()
+    assert not store.wait(("theirs",), timeout=60)
+    assert time.monotonic() - start < 30
+    store[("mine",)] = "a trace"
+    assert ShortTraceStore(tmp_path, {}).wait(("mine",), timeout=0.2)
 
 
 def test_jobs_must_be_positive(tiny_cnn, run_cli):

@@ -55,6 +55,16 @@ def user_code_timeout(seconds: float | None) -> Iterator[None]:
         _timeout.reset(token)
 
 
+def user_code_limit() -> float | None:
+    """The limit each piece of user code gets here now (None: none).
+
+    >>> with user_code_timeout(30):
+    ...     user_code_limit()
+    30.0
+    """
+    return _timeout.get()
+
+
 def _usable() -> bool:
     return hasattr(signal, "setitimer") and threading.current_thread() is threading.main_thread()
 
@@ -63,7 +73,7 @@ def _usable() -> bool:
 def time_limit(what: str) -> Iterator[None]:
     """Run the block under the current limit; a UserError naming ``what`` when it passes.
     Nested limits keep the outer one running (the inner one does not start)."""
-    seconds = _timeout.get()
+    seconds = user_code_limit()
     if seconds is None or not _usable() or signal.getitimer(signal.ITIMER_REAL)[0] > 0:
         yield
         return

@@ -237,7 +237,7 @@ class Workbench:
     @property
     def width(self) -> int:
         """Traces that can run at once now: the live workers of ``side_by_side``, or 1."""
-        return self._workers.jobs if self._workers is not None and self._workers.pool else 1
+        return (self._workers.jobs if self._workers is not None else 0) or 1
 
     def prefetch(self, recipes: list[Recipe], ahead: list[Recipe] | None = None) -> None:
         """Start tracing the ``recipes`` not traced yet in the workers of ``side_by_side``

@@ -17,11 +17,13 @@ the same as tracing them one after another; only the wall-clock changes::
 The workers are forked before the bench traces anything: PyTorch's autograd engine
 refuses to run backward in a process forked after its parent ran one (its device threads
 do not survive a fork: https://github.com/pytorch/pytorch/wiki/Autograd-and-Fork). A
-worker that finds its autograd unusable (a session that traced before) says so, and the
-bench goes on one trace at a time. Forking is used only on Linux; elsewhere, or with one
-job, nothing runs here and the bench traces each recipe when it is asked for. A recipe
-whose trace fails in a worker is left to the bench, which traces it again and raises its
-error in the caller.
+process that has traced a training step forks no workers (``trace/autograd_fork.py``); a
+worker that finds its autograd unusable all the same (the user's own backward on a GPU)
+says so, and the bench goes on one trace at a time. Forking is used only on Linux;
+elsewhere, or with one job, nothing runs here and the bench traces each recipe when it is
+asked for. A recipe whose trace fails in a worker is left to the bench, which traces it
+again and raises its error in the caller; so is one whose worker died or hangs, and the
+bench goes on alone: a lost worker never leaves the bench waiting.
 """
 
 from __future__ import annotations
@@ -38,11 +40,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from vramplan.limits import user_code_limit
 from vramplan.planner.shared_traces import ShortTraceStore
+from vramplan.trace.autograd_fork import forked_autograd_runs
 
 if TYPE_CHECKING:
-    from multiprocessing.pool import AsyncResult, Pool
-
     from vramplan.recipe import Recipe
 
 
@@ -73,6 +75,8 @@ MAX_JOBS = 8
 of a 405B-parameter model's plan grows by a few hundred MiB)."""
 UNUSABLE = "autograd unusable after fork"
 """A worker's answer when its autograd engine refuses to run (see the module docstring)."""
+LOST = "worker lost"
+"""What a recipe whose worker died, or did not answer within ``patience``, comes back as."""
 
 SAMPLES = 5
 SAMPLE_GAP = 0.004
@@ -139,24 +143,46 @@ class TraceWorkers:
     Each recipe sent to them is traced while the bench goes on; the bench waits for it
     only when it asks for it (``wait``). Recipes it may ask for later (``ahead``) start
     as workers come free, never more at once than leave ``jobs`` processes tracing, the
-    bench's own trace counted (``tracing_here``)."""
+    bench's own trace counted (``tracing_here``).
+
+    Each worker has a pipe of its own and a thread here that hands it one recipe at a time
+    (``_feed``): no lock is shared between processes, a worker that dies (the kernel's
+    out-of-memory killer) ends its pipe and its recipe comes back as ``LOST``, and
+    ``close`` kills the workers outright. A recipe the bench waits for longer than
+    ``patience`` allows is taken back: the bench traces it, and the rest, itself."""
 
     def __init__(self, bench: Workbench, jobs: int) -> None:
         global _BENCH
         self.bench = bench
-        self.jobs = jobs
         self.folder = Path(tempfile.mkdtemp(prefix="vramplan-short-traces-"))
         """Where the bench and its workers share the short traces they make."""
         bench.use_short_traces(ShortTraceStore(self.folder, bench.short_traces_made()))
-        self.running: dict[str, AsyncResult] = {}
+        self.running: dict[str, Recipe] = {}
         """The recipes sent and not yet waited for, by the bench's key."""
+        self.sent: list[Recipe] = []
+        """Recipes sent that no worker has taken yet, first sent first."""
         self.queued: list[Recipe] = []
         """Recipes the bench may ask for next, to start as workers come free."""
+        self.outcomes: dict[str, tuple | str | None] = {}
+        """What the workers sent back for recipes not yet waited for, by key."""
         self.here = 0
         """Traces the bench runs itself now (0 or 1)."""
-        self._lock = threading.Lock()  # the pool's result thread starts queued recipes too
+        self.closed = False
+        self._changed = threading.Condition()
         _BENCH = bench
-        self.pool: Pool | None = multiprocessing.get_context("fork").Pool(jobs)
+        context = multiprocessing.get_context("fork")
+        self.workers = [_Worker(context) for _ in range(jobs)]  # forked before any thread
+        self._feeders = [
+            threading.Thread(target=self._feed, args=(worker,), daemon=True)
+            for worker in self.workers
+        ]
+        for feeder in self._feeders:
+            feeder.start()
+
+    @property
+    def jobs(self) -> int:
+        """Workers alive and in use (0 once closed)."""
+        return 0 if self.closed else sum(worker.alive for worker in self.workers)
 
     def trace(self, recipes: list[Recipe], ahead: list[Recipe]) -> Recipe | None:
         """Send the ``recipes`` the bench has not traced to the workers, and queue
@@ -167,8 +193,8 @@ class TraceWorkers:
         tracing what was sent before (what was ahead) leave fewer free than they need: the
         bench would only wait."""
         self.collect()
-        with self._lock:
-            if self.pool is None:
+        with self._changed:
+            if self.closed:
                 return None
             needed = self._new(recipes)
             busy = self._busy()
@@ -176,9 +202,12 @@ class TraceWorkers:
             here = needed[-1] if needed and (len(needed) == 1 or short) else None
             for recipe in needed:
                 if recipe is not here:
-                    self._start(recipe)
+                    self.running[self.bench.key(recipe)] = recipe
+                    self.sent.append(recipe)
             self.queued = [r for r in self._new(ahead) if r not in needed]
-            self._fill(reserved=here is not None)
+            self.here = int(here is not None)  # the bench traces it next (``tracing_here``)
+            self._fill()
+            self._changed.notify_all()
             return here
 
     def _new(self, recipes: list[Recipe]) -> list[Recipe]:
@@ -190,58 +219,88 @@ class TraceWorkers:
                 new.setdefault(key, recipe)
         return list(new.values())
 
-    def _start(self, recipe: Recipe) -> None:
-        self.running[self.bench.key(recipe)] = self.pool.apply_async(
-            _trace_in_worker, (recipe,), callback=self._freed, error_callback=self._freed
-        )
-
-    def _fill(self, reserved: int = 0, finishing: int = 0) -> None:
-        """Start queued recipes on the workers free beside the running traces, the
-        bench's own and ``reserved`` more (``finishing``: running ones that have just
-        ended). Call with the lock held."""
-        busy = self._busy() - finishing
-        room = self.jobs - busy - self.here - reserved
-        while room > 0 and self.queued and self.pool is not None:
-            for recipe in self._new([self.queued.pop(0)]):
-                self._start(recipe)
-                room -= 1
-
     def _busy(self) -> int:
-        """Recipes sent and not yet traced: running on a worker, or queued for one."""
-        return sum(not result.ready() for result in self.running.values())
+        """Recipes sent and not yet traced: running on a worker, or waiting for one."""
+        return sum(key not in self.outcomes for key in self.running)
 
-    def _freed(self, _outcome: object) -> None:
-        """In the pool's result thread, as a worker ends a trace: start a queued one."""
-        with self._lock:
-            self._fill(finishing=1)  # the ending result reads as running until this returns
+    def _fill(self) -> None:
+        """Send queued recipes while fewer than ``jobs`` processes would trace: the
+        workers' traces, the recipes sent that no worker has taken yet, and the bench's
+        own. Call with the lock held."""
+        tracing = sum(worker.key is not None for worker in self.workers)
+        tracing += len(self.sent) + self.here
+        while self.queued and tracing < self.jobs:
+            for recipe in self._new([self.queued.pop(0)]):
+                self.running[self.bench.key(recipe)] = recipe
+                self.sent.append(recipe)
+                tracing += 1
+
+    def _next(self) -> Recipe | None:
+        """The recipe a free worker takes now, if any. Call with the lock held."""
+        if self.closed:
+            return None
+        self._fill()
+        return self.sent.pop(0) if self.sent else None
+
+    def _feed(self, worker: _Worker) -> None:
+        """In a thread of the bench's process: hand ``worker`` the recipes it takes
+        (``_next``) one at a time and keep what it sends back, until the workers close or
+        it dies."""
+        while True:
+            with self._changed:
+                recipe = self._next()
+                while recipe is None:
+                    if self.closed:
+                        return
+                    self._changed.wait()
+                    recipe = self._next()
+                worker.key = self.bench.key(recipe)
+            outcome = worker.trace(recipe)
+            with self._changed:
+                self.outcomes[worker.key] = outcome
+                worker.key = None
+                worker.alive = outcome != LOST
+                self._changed.notify_all()
+            if not worker.alive:
+                return
 
     @contextlib.contextmanager
     def tracing_here(self) -> Iterator[None]:
         """The bench traces a recipe itself within the block: one worker fewer starts."""
-        self.here = 1
+        with self._changed:
+            self.here = 1
         try:
             yield
         finally:
-            with self._lock:
+            with self._changed:
                 self.here = 0
-                self._fill()
+                self._changed.notify_all()
 
     def wait(self, key: str) -> None:
         """Wait for the recipe running under ``key`` (if any) and keep its result in the
-        bench; a trace that failed is left to the bench, which traces it again."""
-        result = self.running.get(key)
-        if result is None:
-            return
-        outcome = result.get()  # its ``_freed`` has run: it counted as running there
-        with self._lock:
-            self.running.pop(key, None)
-        if self._keep(outcome) == UNUSABLE:
-            self.close()  # this process traced before: one trace at a time from now on
+        bench. A trace that failed, or whose worker died, is left to the bench, which
+        traces it again; so is one not back within ``patience``, and the workers close
+        (one of them hangs): the bench traces one recipe at a time from then on."""
+        deadline = patience()
+        if deadline is not None:
+            deadline += time.monotonic()
+        with self._changed:
+            if key not in self.running:
+                return
+            while key not in self.outcomes and self.jobs:
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    break
+                self._changed.wait(left)
+            self.running.pop(key)
+            outcome = self.outcomes.pop(key, LOST)
+        if self._keep(outcome) in (UNUSABLE, LOST):
+            self.close()  # autograd unusable, a worker lost or hung: one trace at a time
 
     def collect(self) -> None:
         """Keep the results that have come in."""
-        with self._lock:
-            ready = [key for key, result in self.running.items() if result.ready()]
+        with self._changed:
+            ready = [key for key in self.running if key in self.outcomes]
         for key in ready:
             self.wait(key)
 
@@ -251,29 +310,90 @@ class TraceWorkers:
         return outcome
 
     def close(self) -> None:
-        """Keep the results that have come in, stop the workers (and the traces still
+        """Keep the results that have come in, kill the workers (and the traces still
         running: nothing asked for them) and remove the shared folder."""
         global _BENCH
-        with self._lock:  # no queued recipe starts from here on
-            pool, self.pool = self.pool, None
-            self.queued = []
-            results, self.running = list(self.running.values()), {}
-        if pool is not None:
-            for result in results:
-                if result.ready():
-                    self._keep(result.get())
-            pool.terminate()
-            pool.join()
+        with self._changed:  # no recipe starts from here on
+            if self.closed:
+                return
+            self.closed = True
+            self.sent, self.queued = [], []
+            arrived = [self.outcomes.pop(key) for key in self.running if key in self.outcomes]
+            self.running = {}
+            self._changed.notify_all()
+        for outcome in arrived:
+            self._keep(outcome)
+        for worker in self.workers:
+            worker.stop()
+        for feeder in self._feeders:
+            feeder.join()
         self.bench.use_short_traces(dict(self.bench.short_traces_made()))
         shutil.rmtree(self.folder, ignore_errors=True)
         _BENCH = None
 
 
+class _Worker:
+    """One process forked from the bench that traces the recipes sent over its own pipe,
+    one at a time (``_serve``)."""
+
+    def __init__(self, context: Any) -> None:
+        self.pipe, theirs = context.Pipe()
+        self.process = context.Process(target=_serve, args=(theirs,), daemon=True)
+        self.process.start()
+        theirs.close()  # the worker holds the only other end: its death ends the pipe
+        self.key: str | None = None
+        """The bench's key of the recipe it traces now."""
+        self.alive = True
+
+    def trace(self, recipe: Recipe) -> tuple | str | None:
+        """What the worker sends back for ``recipe``; ``LOST`` where it died (or was
+        killed) before it answered."""
+        try:
+            self.pipe.send(recipe)
+            return self.pipe.recv()
+        except (EOFError, OSError):
+            return LOST
+
+    def stop(self) -> None:
+        """Kill the process and reap it (its pipe ends: a thread waiting on it goes on)."""
+        self.process.kill()
+        self.process.join()
+        self.pipe.close()
+
+
+def patience() -> float | None:
+    """Seconds the bench waits for a worker's recipe before it takes it back: a recipe's
+    build and its trace each run under the user-code limit (``limits.py``; a worker whose
+    trace passes it sends the failure back), so twice the limit passes only where the
+    worker hangs. None where the user lifted the limit.
+
+    >>> from vramplan.limits import user_code_timeout
+    >>> with user_code_timeout(2.5):
+    ...     patience()
+    5.0
+    """
+    limit = user_code_limit()
+    return None if limit is None else 2 * limit
+
+
 def start_workers(bench: Workbench, jobs: int) -> TraceWorkers | None:
-    """Workers for ``bench``, or None where they cannot help (one job, not Linux)."""
-    if jobs < 2 or not can_fork():
+    """Workers for ``bench``, or None where they cannot help: one job, not Linux, or a
+    process whose autograd has run a traced backward (a worker forked from it could not:
+    ``trace/autograd_fork.py``)."""
+    if jobs < 2 or not can_fork() or not forked_autograd_runs():
         return None
     return TraceWorkers(bench, jobs)
+
+
+def _serve(pipe: Any) -> None:
+    """A worker's life: trace each recipe that comes over ``pipe``, send back the answer,
+    until the bench closes its end."""
+    while True:
+        try:
+            recipe = pipe.recv()
+        except EOFError:
+            return
+        pipe.send(_trace_in_worker(recipe))
 
 
 def _trace_in_worker(recipe: Recipe) -> tuple[Any, ...] | str | None:

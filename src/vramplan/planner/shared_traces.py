@@ -25,7 +25,7 @@ from pathlib import Path
 
 WAIT = 900.0
 """Seconds a worker waits for a short trace another one claimed before tracing it itself
-(the claimant traces it in seconds; it never comes only where that worker died)."""
+(the claimant traces it in seconds; one that dies is seen at once: ``running``)."""
 POLL = 0.02
 """Seconds between looks for a claimed short trace."""
 
@@ -63,11 +63,14 @@ class ShortTraceStore(dict):
         os.replace(partial, self._path(key, ".trace"))  # whole, or not there at all
 
     def claim(self, key: tuple) -> bool:
-        """Whether this worker is the first to claim ``key`` (then it traces it)."""
+        """Whether this worker is the first to claim ``key`` (then it traces it); the
+        claim names its process."""
         try:
-            os.close(os.open(self._path(key, ".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            claim = os.open(self._path(key, ".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
+        with os.fdopen(claim, "w") as file:
+            file.write(str(os.getpid()))
         return True
 
     def release(self, key: tuple) -> None:
@@ -76,10 +79,34 @@ class ShortTraceStore(dict):
 
     def wait(self, key: tuple, timeout: float = WAIT) -> bool:
         """Wait until another worker publishes ``key``'s trace; False where it gave it up
-        (``release``) or ``timeout`` passed (then the caller traces it)."""
+        (``release``), died before it published it, or ``timeout`` passed (then the caller
+        traces it)."""
         deadline = time.monotonic() + timeout
         while key not in self:
-            if self._path(key, ".failed").exists() or time.monotonic() > deadline:
+            if self._given_up(key) or time.monotonic() > deadline:
                 return False
             time.sleep(POLL)
         return True
+
+    def _given_up(self, key: tuple) -> bool:
+        if self._path(key, ".failed").exists():
+            return True
+        try:
+            claimant = int(self._path(key, ".claim").read_text())
+        except (OSError, ValueError):  # its name not written yet
+            return False
+        return not running(claimant)
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` runs: neither ended nor a zombie its parent has not reaped
+    (Linux's ``/proc``, where workers are forked).
+
+    >>> running(os.getpid()), running(2**22 + 1)  # past Linux's largest pid
+    (True, False)
+    """
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")

@@ -26,6 +26,7 @@ from vramplan.optimizers import build_optimizer, optimizer_state_tensors, step_h
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Phase
 from vramplan.sources.base import BuiltModel
+from vramplan.trace.autograd_fork import note_backward
 from vramplan.trace.categorize import categorize
 from vramplan.trace.compiled import compile_blocks, compile_note
 from vramplan.trace.copied_iteration import IterationCopy, copyable
@@ -157,6 +158,8 @@ def tracing(
         counter.reset()
     recorder = AllocationRecorder(modules, counter)
     session = TracingSession(recorder, modules, FakeTensorMode(), policy)
+    if recipe.is_training:
+        note_backward()  # forked workers could not run autograd from here on
     try:
         with (
             # FakeTensorMode logs a traceback before re-raising a meta kernel's error; the
