@@ -327,6 +327,8 @@ class TraceWorkers:
             worker.stop()
         for feeder in self._feeders:
             feeder.join()
+        for worker in self.workers:
+            worker.pipe.close()  # once no feeder reads it
         self.bench.use_short_traces(dict(self.bench.short_traces_made()))
         shutil.rmtree(self.folder, ignore_errors=True)
         _BENCH = None
@@ -358,7 +360,6 @@ class _Worker:
         """Kill the process and reap it (its pipe ends: a thread waiting on it goes on)."""
         self.process.kill()
         self.process.join()
-        self.pipe.close()
 
 
 def patience() -> float | None:
