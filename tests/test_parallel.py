@@ -126,10 +126,13 @@ def test_a_lost_worker_leaves_the_answer_to_the_bench(tiny_cnn, fault, tmp_path)
 def test_a_claim_of_a_process_that_ended_is_given_up(tmp_path):
     """A short trace claimed by a worker that died is traced by the next who needs it at
     once, not after ``WAIT``; one claimed by a live worker is waited for."""
-    ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                           capture_output=True, text=True, check=True)  # fmt: skip
+    ended = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     store = ShortTraceStore(tmp_path, {})
-    (tmp_path / "x").write_text("")
     assert store.claim(("mine",)) and not store.claim(("mine",))
     assert not store.wait(("mine",), timeout=0.2)  # this process claimed it and lives on
     store._path(("theirs",), ".claim").write_text(ended.stdout.strip())
