@@ -53,6 +53,7 @@ def run_steps(
     after_optimizer: Callable[[], None] = lambda: None,
     set_to_none: bool = True,
     skips_passes: Callable[[int], bool] = lambda iteration: False,
+    copies_micro_step: Callable[[int, int], bool] = lambda iteration, micro_step: False,
 ) -> None:
     """Run ``iterations`` steps: forward+loss, backward (per micro-step), optimizer step,
     ``zero_grad(set_to_none=...)`` (``False``: gradients zeroed in place and kept, as
@@ -60,7 +61,9 @@ def run_steps(
     ``built.zero_grad_after_forward``, as Keras does); inference runs forward under
     ``no_grad`` only. An iteration whose ``skips_passes(iteration)`` is true runs no
     forward or backward pass (the tracer writes them from the first iteration's:
-    ``trace/copied_iteration.py``), only its optimizer step."""
+    ``trace/copied_iteration.py``), only its optimizer step. A micro-step for which
+    ``copies_micro_step(iteration, micro_step)`` is true is not run either (the tracer
+    writes it from the first: ``trace/copied_micro_step.py``)."""
     for iteration in range(1, iterations + 1):
         copied = skips_passes(iteration)
         if not recipe.is_training:
@@ -71,6 +74,8 @@ def run_steps(
                 del output
             continue
         for micro_step in range(0 if copied else micro_steps(recipe)):
+            if copies_micro_step(iteration, micro_step):
+                continue
             mark_phase(Phase.FORWARD, iteration)
             with autocast():
                 loss = built.run(model, batch, True)

@@ -30,6 +30,7 @@ from vramplan.trace.autograd_fork import note_backward
 from vramplan.trace.categorize import categorize
 from vramplan.trace.compiled import compile_blocks, compile_note
 from vramplan.trace.copied_iteration import IterationCopy, copyable
+from vramplan.trace.copied_micro_step import MicroStepCopy, micro_steps_copyable
 from vramplan.trace.errors import explain_failure
 from vramplan.trace.events import Trace
 from vramplan.trace.loop import ITERATIONS, MAX_MICRO_STEPS, frees_gradients, run_steps
@@ -290,6 +291,13 @@ def trace_training(
             copy = IterationCopy(session.recorder, params, policy, recipe.optimizer_in_backward)
             stack.enter_context(copy.watching_steps())
 
+        micro = None
+        if built.copy_iteration and micro_steps_copyable(
+            recipe, policy, engine, built.zero_grad_after_forward
+        ):
+            micro = MicroStepCopy(session.recorder, params, policy)
+            stack.enter_context(micro.watching())
+
         def mark(phase: Phase, iteration: int) -> None:
             session.recorder.set_phase(phase, iteration)
             session.modules.reset()
@@ -304,6 +312,7 @@ def trace_training(
             autocast=_forward_context(policy, recipe, session, model),
             mark_phase=copy.marking(mark) if copy else mark,
             **({"after_optimizer": copy.stepped, "skips_passes": copy.skips} if copy else {}),
+            **({"copies_micro_step": micro.copies} if micro else {}),
         )
         if copy is not None:
             copy.write()
