@@ -45,7 +45,7 @@ def segments(on_device) -> list[Segment]:
     marks = sorted(trace.phases, key=lambda m: m.index)
     cut: list[tuple[int, Phase, list[Event]]] = []
     position = 0
-    for event in trace.events():
+    for event in on_device.events:
         while position + 1 < len(marks) and marks[position + 1].index <= event.index:
             position += 1
         mark = marks[position]

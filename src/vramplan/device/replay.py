@@ -8,6 +8,7 @@ judge the result against a card.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from vramplan.device.allocator import AllocatorConfig, Replay, Request, replay
 from vramplan.device.catalog import GpuSpec
@@ -26,7 +27,7 @@ from vramplan.device.stack import default_stack, older_than_traced
 from vramplan.device.verdict import judge
 from vramplan.ops import Library, library_of
 from vramplan.result import Component, Estimate, Phase
-from vramplan.trace.events import Allocation, PhaseMark, Trace
+from vramplan.trace.events import Allocation, Event, PhaseMark, Trace
 from vramplan.trace.summary import summarize_trace
 
 SPREAD = 16  # trace indices are spread out so workspaces can be slotted between events
@@ -49,6 +50,12 @@ class DeviceTrace:
     """cuDNN without benchmark: the smaller workspaces of the next engines, tried when a
     call's own cannot be allocated on the card."""
     workspaces: dict[ConvCase, Workspace] = field(default_factory=dict)
+
+    @cached_property
+    def events(self) -> list[Event]:
+        """``trace.events()``, listed once: the replay's requests and the step's other
+        orders (``orders.py``) both walk them."""
+        return list(self.trace.events())
 
 
 def conv_workspace(
@@ -228,19 +235,17 @@ def requests_of(on_device: DeviceTrace | Trace) -> list[Request]:
     """The allocator requests of a (device) trace, in order."""
     if isinstance(on_device, Trace):
         on_device = DeviceTrace(on_device)
+    empty, candidates, fallbacks = on_device.empty_cache, on_device.candidates, on_device.fallbacks
     requests = []
-    for e in on_device.trace.events():
-        a = e.allocation
-        if a.id in on_device.empty_cache:
-            requests.append(Request(a.id, 0, False, a.stream, empty_cache=True))
+    for _, a, is_alloc in on_device.events:
+        key = a.id
+        if key in empty:
+            requests.append(Request(key, 0, False, a.stream, True))
+        elif is_alloc and (key in candidates or key in fallbacks):
+            tried = candidates.get(key, ()), fallbacks.get(key, ())
+            requests.append(Request(key, a.nbytes, True, a.stream, False, *tried))
         else:
-            candidates = on_device.candidates.get(a.id, ()) if e.is_alloc else ()
-            fallbacks = on_device.fallbacks.get(a.id, ()) if e.is_alloc else ()
-            requests.append(
-                Request(
-                    a.id, a.nbytes, e.is_alloc, a.stream, candidates=candidates, fallbacks=fallbacks
-                )
-            )
+            requests.append(Request(key, a.nbytes, is_alloc, a.stream))
     return requests
 
 
