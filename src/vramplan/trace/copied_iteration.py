@@ -40,6 +40,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from vramplan.optimizers import step_hooks
 from vramplan.recipe import Recipe
 from vramplan.result import Phase
+from vramplan.trace.counts import add_counts, counted_between
 from vramplan.trace.events import PhaseMark
 from vramplan.trace.policy import DevicePolicy
 from vramplan.trace.recorder import AllocationRecorder, StorageRecord
@@ -231,9 +232,9 @@ class IterationCopy:
                 first.optimizer.step()
                 first.gradient[0].grad = None  # (zero_grad's ops are in the copied passes)
                 second = self.second_steps[-1]
-                _add(counts, [(key, -n) for key, n in _difference(before, counts)])
-                ran = _difference(second.start.op_counts, second.end.op_counts)
-                _add(counts, [((first.phase, op), n) for (_, op), n in ran])
+                add_counts(counts, [(key, -n) for key, n in counted_between(before, counts)])
+                ran = counted_between(second.start.op_counts, second.end.op_counts)
+                add_counts(counts, [((first.phase, op), n) for (_, op), n in ran])
         finally:
             self._steps = None
 
@@ -325,8 +326,8 @@ class IterationCopy:
         recorder.event_count = cleared + (z1 - self.stepped_at)
         recorder.phases = self._phases(copied, later, stepped_again)
         recorder.markers = self._markers(copied, later)
-        _add(recorder.op_counts, self._passes("op_counts"))
-        _add(self.policy.kernel_calls(), self._passes("kernel_calls"))
+        add_counts(recorder.op_counts, self._passes("op_counts"))
+        add_counts(self.policy.kernel_calls(), self._passes("kernel_calls"))
         if self.counter is not None:
             steps = sum(step.end.flops - step.start.flops for step in self.first_steps)
             self.counter.add(self.end.flops - self.start.flops - steps)
@@ -350,12 +351,12 @@ class IterationCopy:
         ran)."""
 
         def ran(start: _Span, end: _Span) -> list[tuple[Any, int]]:
-            return _difference(getattr(start, field), getattr(end, field))
+            return counted_between(getattr(start, field), getattr(end, field))
 
         counts: dict = {}
-        _add(counts, ran(self.start, self.end))
+        add_counts(counts, ran(self.start, self.end))
         for step in self.first_steps:
-            _add(counts, [(key, -n) for key, n in ran(step.start, step.end)])
+            add_counts(counts, [(key, -n) for key, n in ran(step.start, step.end)])
         return list(counts.items())
 
     def _phases(self, copied, later, stepped_again: int) -> list[PhaseMark]:
@@ -406,26 +407,3 @@ class _Segments:
         if k >= 0 and index < self.ranges[k][1]:
             return self.ranges[k][2]
         return None
-
-
-def _difference(before: dict, after: dict) -> list[tuple[Any, int]]:
-    """What was counted between ``before`` and ``after``.
-
-    >>> _difference({"mm": 1}, {"mm": 3, "add": 1})
-    [('mm', 2), ('add', 1)]
-    """
-    return [(key, n - before.get(key, 0)) for key, n in after.items() if n != before.get(key, 0)]
-
-
-def _add(counts: dict, more: list[tuple[Any, int]]) -> None:
-    """Add ``more`` (key, count) pairs to ``counts``, dropping what comes to 0.
-
-    >>> counts = {"mm": 5, "add": 1}
-    >>> _add(counts, [("mm", 2), ("add", -1)])
-    >>> counts
-    {'mm': 7}
-    """
-    for key, count in more:
-        counts[key] = counts.get(key, 0) + count
-        if not counts[key]:
-            del counts[key]

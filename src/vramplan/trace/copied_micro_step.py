@@ -31,7 +31,7 @@ import torch
 
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Phase
-from vramplan.trace.copied_iteration import _add, _difference
+from vramplan.trace.counts import add_counts, counted_between
 from vramplan.trace.policy import DevicePolicy
 from vramplan.trace.recorder import AllocationRecorder, StorageRecord
 
@@ -132,7 +132,7 @@ class MicroStepCopy:
         now = self._counts()
         accumulation.kept = self.recorder.record_for(param.grad)
         accumulation.event, accumulation.markers = now["events"], now["markers"]
-        accumulation.ops = _difference(accumulation.counts["ops"], now["ops"])
+        accumulation.ops = counted_between(accumulation.counts["ops"], now["ops"])
         if (
             accumulation.kept is None
             or accumulation.kept is not accumulation.incoming
@@ -225,12 +225,12 @@ class MicroStepCopy:
             )
         )
         recorder.event_count = m1 + (m1 - m0) + len(frees)
-        ops = _difference(start["ops"], end["ops"])
+        ops = counted_between(start["ops"], end["ops"])
         for accumulation in self.accumulations:
             ops += [(key, -n) for key, n in accumulation.ops]
         ops += [((Phase.BACKWARD, "add_"), len(self.accumulations))]
-        _add(recorder.op_counts, ops)
-        _add(self.policy.kernel_calls(), _difference(start["kernels"], end["kernels"]))
+        add_counts(recorder.op_counts, ops)
+        add_counts(self.policy.kernel_calls(), counted_between(start["kernels"], end["kernels"]))
         if self.counter is not None:
             self.counter.add(end["flops"] - start["flops"])
 
