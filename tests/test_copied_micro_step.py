@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import PLAN_LLAMA as LLAMA
 from conftest import TINY_GPT2 as GPT2
+from conftest import TINY_UNET
 from torch import nn
 
 from vramplan.recipe import Recipe
@@ -86,6 +87,17 @@ def test_written_micro_step_keeps_flops_and_convolution_markers(monkeypatch, wri
     assert written == [(True, "")]
     assert copied == ran
     assert recounted.counter.get_total_flops() == counted.counter.get_total_flops() > 0
+
+
+def test_written_micro_step_of_a_diffusion_unet(tmp_path, monkeypatch, written):
+    """Noise, timesteps and text embeddings drawn per micro-step; group norms, convolutions
+    and cross-attention under amp-fp16 with every block recomputed."""
+    (tmp_path / "config.json").write_text(json.dumps(TINY_UNET))
+    recipe = Recipe(batch_size=2, grad_accum=2, precision="amp-fp16", checkpointing="full")
+    unet = lambda: resolve(f"diffusers:{tmp_path}", recipe)  # noqa: E731
+    (ran, _), (copied, _) = _ran_and_written(monkeypatch, unet, recipe)
+    assert written == [(True, "")]
+    assert copied == ran
 
 
 def test_cpu_kernel_notes_count_the_written_micro_step(monkeypatch, written):
