@@ -8,8 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch import nn
 
 from vramplan.cli import main
+from vramplan.recipe import Recipe
+from vramplan.sources import resolve
+from vramplan.sources.base import BuiltModel
 
 # Two blocks of width 32 over a 512-token vocabulary: builds and traces in well under a
 # second, and its parameter count is easy to write out by hand.
@@ -274,3 +278,41 @@ def fsdp_peaks(spec: str, recipe, world: int) -> tuple[int, int]:
                     tracker.reset_mod_stats()  # its per-module stats; the peak is kept
             theirs = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
     return ours, theirs
+
+
+def hf_builder(tmp_path: Path, config: dict, recipe: Recipe) -> Callable[[], BuiltModel]:
+    """A fresh build of the transformers ``config`` (written under ``tmp_path``) per call:
+    the copied-iteration and copied-micro-step tests trace one model twice."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    return lambda: resolve(f"hf:{path}", recipe)
+
+
+class Remembering(nn.Module):
+    """Keeps its last output until the next forward pass, which frees it: a storage of one
+    pass that the next one frees."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.last = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.fc(x)
+        self.last = y.detach()
+        return y
+
+
+def meta_built(module_type: type[nn.Module]) -> BuiltModel:
+    """``module_type()`` built on the meta device, fed ``(batch, 64)`` inputs, its loss the
+    output's sum."""
+    with torch.device("meta"):
+        model = module_type()
+    return BuiltModel(
+        f"custom:{module_type.__name__.lower()}",
+        module_type.__name__,
+        "custom",
+        model,
+        make_batch=lambda n, dtype: torch.randn(n, 64, dtype=dtype),
+        run=lambda m, x, training: m(x).sum(),
+    )

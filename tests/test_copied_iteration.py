@@ -4,12 +4,11 @@ iteration is traced in full."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from conftest import PLAN_LLAMA as LLAMA
 from conftest import TINY_GPT2 as GPT2
+from conftest import Remembering, hf_builder, meta_built
 from torch import nn
 
 from vramplan.recipe import Recipe
@@ -48,12 +47,6 @@ def _traced_and_copied(make_built, recipe: Recipe, policy_type=CudaPolicy):
     return results
 
 
-def _hf(tmp_path, config: dict, recipe: Recipe):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    return lambda: resolve(f"hf:{path}", recipe)
-
-
 @pytest.mark.parametrize(
     ("config", "knobs"),
     [
@@ -72,7 +65,7 @@ def _hf(tmp_path, config: dict, recipe: Recipe):
 )
 def test_copied_passes_equal_traced_ones(tmp_path, copies, config, knobs):
     recipe = Recipe(batch_size=2, seq_len=32, **knobs)
-    (traced, _), (copied, _) = _traced_and_copied(_hf(tmp_path, config, recipe), recipe)
+    (traced, _), (copied, _) = _traced_and_copied(hf_builder(tmp_path, config, recipe), recipe)
     assert copies == [True]  # (the traced run offers no copy)
     assert copied == traced  # every allocation, phase mark, op count, note and marker
     assert {a.iteration for a in copied.allocations} >= {1, 2}
@@ -96,32 +89,8 @@ def test_cpu_kernel_notes_count_the_copied_passes(copies):
     assert copied == traced and policy.trace_notes() == list(traced.notes)
 
 
-class Remembering(nn.Module):
-    """Keeps its last output until the next forward pass: a storage of the first
-    iteration's passes that the second one frees."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(64, 64)
-        self.last = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc(x)
-        self.last = y.detach()
-        return y
-
-
 def _remembering() -> BuiltModel:
-    with torch.device("meta"):
-        model = Remembering()
-    return BuiltModel(
-        "custom:remembering",
-        "Remembering",
-        "custom",
-        model,
-        make_batch=lambda n, dtype: torch.randn(n, 64, dtype=dtype),
-        run=lambda m, x, training: m(x).sum(),
-    )
+    return meta_built(Remembering)
 
 
 def test_storage_kept_into_the_next_iteration_is_traced(copies):

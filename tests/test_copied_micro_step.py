@@ -11,12 +11,11 @@ import pytest
 import torch
 from conftest import PLAN_LLAMA as LLAMA
 from conftest import TINY_GPT2 as GPT2
-from conftest import TINY_UNET
+from conftest import TINY_UNET, Remembering, hf_builder, meta_built
 from torch import nn
 
 from vramplan.recipe import Recipe
 from vramplan.sources import resolve
-from vramplan.sources.base import BuiltModel
 from vramplan.trace import copied_micro_step, step
 from vramplan.trace.flops import FlopCountingPolicy
 from vramplan.trace.policy import CpuPolicy, CudaPolicy
@@ -51,12 +50,6 @@ def _ran_and_written(monkeypatch, make_built, recipe: Recipe, policy_type=CudaPo
     return results
 
 
-def _hf(tmp_path, config: dict, recipe: Recipe):
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    return lambda: resolve(f"hf:{path}", recipe)
-
-
 @pytest.mark.parametrize(
     ("config", "knobs"),
     [
@@ -71,7 +64,8 @@ def _hf(tmp_path, config: dict, recipe: Recipe):
 )
 def test_written_micro_step_equals_a_run_one(tmp_path, monkeypatch, written, config, knobs):
     recipe = Recipe(batch_size=2, seq_len=32, **knobs)
-    (ran, _), (copied, _) = _ran_and_written(monkeypatch, _hf(tmp_path, config, recipe), recipe)
+    built = hf_builder(tmp_path, config, recipe)
+    (ran, _), (copied, _) = _ran_and_written(monkeypatch, built, recipe)
     assert written == [(True, "")]  # (the first run offers no copy)
     assert copied == ran  # every allocation, phase mark, op count, note and marker
     passes = [m for m in copied.phases if m.iteration == 1 and m.phase == "forward"]
@@ -112,7 +106,8 @@ def test_gradients_kept_by_zero_grad_leave_the_second_iteration_traced(
     tmp_path, monkeypatch, written
 ):
     recipe = Recipe(batch_size=2, seq_len=32, grad_accum=2, zero_grad="zeros")
-    (ran, _), (copied, _) = _ran_and_written(monkeypatch, _hf(tmp_path, GPT2, recipe), recipe)
+    built = hf_builder(tmp_path, GPT2, recipe)
+    (ran, _), (copied, _) = _ran_and_written(monkeypatch, built, recipe)
     assert written == [(True, ""), (False, "")]  # iteration 2 starts with gradients
     assert copied == ran
 
@@ -130,36 +125,6 @@ class Summed(nn.Module):
         return x @ (self.p + self.q)
 
 
-class Remembering(nn.Module):
-    """Keeps its last output until the next forward pass, which frees it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.fc = nn.Linear(64, 64)
-        self.last = None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.fc(x)
-        self.last = y.detach()
-        return y
-
-
-def _custom(module_type: type[nn.Module]):
-    def make() -> BuiltModel:
-        with torch.device("meta"):
-            model = module_type()
-        return BuiltModel(
-            f"custom:{module_type.__name__}",
-            module_type.__name__,
-            "custom",
-            model,
-            make_batch=lambda n, dtype: torch.randn(n, 64, dtype=dtype),
-            run=lambda m, x, training: m(x).sum(),
-        )
-
-    return make
-
-
 @pytest.mark.parametrize(
     ("module_type", "reason"),
     [
@@ -169,6 +134,6 @@ def _custom(module_type: type[nn.Module]):
 )
 def test_a_micro_step_that_cannot_be_written_is_run(monkeypatch, written, module_type, reason):
     recipe = Recipe(batch_size=4, grad_accum=2, optimizer="sgd")
-    (ran, _), (copied, _) = _ran_and_written(monkeypatch, _custom(module_type), recipe)
+    (ran, _), (copied, _) = _ran_and_written(monkeypatch, lambda: meta_built(module_type), recipe)
     assert written and not any(copied for copied, _ in written) and reason in written[0][1]
     assert copied == ran
