@@ -86,7 +86,6 @@ class MicroStepCopy:
         self._open: dict[int, _Accumulation] = {}  # by parameter, between its two hooks
         self._start: dict | None = None  # counts as the first micro-step began
         self.reason = ""
-        self.written = 0  # micro-steps written
 
     def _counts(self) -> dict:
         recorder = self.recorder
@@ -159,7 +158,6 @@ class MicroStepCopy:
         self.reason = self.reason or self._leftover(end["events"])
         if not self.reason:
             self._write(self._start, end)
-            self.written += 1
         self._start = None
         return not self.reason
 
