@@ -28,3 +28,15 @@ def test_a_tensor_grown_in_place_is_counted_at_its_new_size():
         out = torch.empty(0)
         torch.mm(torch.ones(64, 64), torch.ones(64, 64), out=out)  # resizes ``out``
     assert [r.nbytes for r in recorder.records if r.free_index is None][-1] == 64 * 64 * 4
+
+
+def test_a_device_query_answers_as_fake_tensor_mode_does_and_is_no_op():
+    with FakeTensorMode():
+        tensor = torch.empty(4, device="cuda")
+        unrecorded = torch.ops.prim.device.default(tensor)
+        with AllocationRecorder() as recorder:
+            recorded = torch.ops.prim.device.default(tensor)
+            torch.mm(torch.ones(2, 2, device="cuda"), torch.ones(2, 2, device="cuda"))
+    assert recorded == unrecorded == torch.device("cuda", 0)
+    assert all(name != "device" for _, name in recorder.op_counts)
+    assert sorted(name for _, name in recorder.op_counts) == ["mm", "ones"]

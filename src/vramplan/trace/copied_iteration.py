@@ -40,7 +40,7 @@ from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 from vramplan.optimizers import step_hooks
 from vramplan.recipe import Recipe
 from vramplan.result import Phase
-from vramplan.trace.counts import add_counts, counted_between
+from vramplan.trace.counts import add_counts, counted_between, counter_takes_copies
 from vramplan.trace.events import PhaseMark
 from vramplan.trace.policy import DevicePolicy
 from vramplan.trace.recorder import AllocationRecorder, StorageRecord
@@ -65,8 +65,7 @@ def copyable(
     >>> copyable(Recipe(), CudaPolicy(), None, object(), False)
     False
     """
-    counter = getattr(policy, "counter", None)
-    if counter is not None and not hasattr(counter, "add"):
+    if not counter_takes_copies(policy):
         return False
     if recipe.mode == "generate" or engine is not None or recipe.compile or keras:
         return False

@@ -31,7 +31,7 @@ import torch
 
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Phase
-from vramplan.trace.counts import add_counts, counted_between
+from vramplan.trace.counts import add_counts, counted_between, counter_takes_copies
 from vramplan.trace.policy import DevicePolicy
 from vramplan.trace.recorder import AllocationRecorder, StorageRecord
 
@@ -48,11 +48,9 @@ def micro_steps_copyable(
     >>> micro_steps_copyable(Recipe(grad_accum=4, activation_offload=True), CudaPolicy(), None)
     False
     """
-    counter = getattr(policy, "counter", None)
-    if counter is not None and not hasattr(counter, "add"):
-        return False
     return (
-        recipe.is_training
+        counter_takes_copies(policy)
+        and recipe.is_training
         and recipe.grad_accum > 1
         and not (recipe.activation_offload or recipe.optimizer_in_backward or recipe.compile)
         and engine is None

@@ -1,5 +1,7 @@
 """Counts kept as dictionaries (op counts, kernel calls): what was counted between two
-moments, and more added to them. The copied passes and micro-steps add what they stand for::
+moments, and more added to them. The copied passes and micro-steps add what they stand
+for, and are written only where the policy's FLOP counter can be told their FLOPs too
+(``counter_takes_copies``)::
 
     add_counts(recorder.op_counts, counted_between(before, after))
 """
@@ -30,3 +32,16 @@ def add_counts(counts: dict, more: list[tuple[Any, int]]) -> None:
         counts[key] = counts.get(key, 0) + count
         if not counts[key]:
             del counts[key]
+
+
+def counter_takes_copies(policy: object) -> bool:
+    """Whether the FLOPs of passes written rather than run can be added to ``policy``'s FLOP
+    counter: none is kept, or it has ``add`` (``flops.TotalFlops``; PyTorch's
+    ``FlopCounterMode`` has not).
+
+    >>> from vramplan.trace.flops import FlopCountingPolicy
+    >>> counter_takes_copies(object()), counter_takes_copies(FlopCountingPolicy())
+    (True, True)
+    """
+    counter = getattr(policy, "counter", None)
+    return counter is None or hasattr(counter, "add")

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_flatten
 
@@ -133,7 +134,7 @@ class StorageRecord:
 def plain_tensors(tensor: torch.Tensor) -> list[torch.Tensor]:
     """The tensors holding memory behind ``tensor``: itself, or the inner tensors of a
     wrapper subclass such as a DTensor (its local shard)."""
-    if not is_traceable_wrapper_subclass(tensor):
+    if type(tensor) is FakeTensor or not is_traceable_wrapper_subclass(tensor):
         return [tensor]
     names, _ = tensor.__tensor_flatten__()
     inners = (getattr(tensor, name) for name in names)  # a DTensor also names its mesh
@@ -305,19 +306,21 @@ class AllocationRecorder(TorchDispatchMode):
         self.live.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _DEVICE_QUERY and isinstance(args[0], FakeTensor):
+            return args[0].device  # FakeTensorMode's answer, without its dispatch
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if self.counter is not None:
             self.counter.count(func, args, kwargs, out)
         if self._paused or func is _DEVICE_QUERY:
             return out
-        name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+        name, convolution = _OP_FACTS.get(func) or _op_facts(func)
         phase_key = (self.current_phase()[0], name)
         self.op_counts[phase_key] = self.op_counts.get(phase_key, 0) + 1
-        for item in tree_flatten(out)[0]:
+        for item in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor) and item.device.type != "meta":
                 self.track(item, name)
-        if library_of(func) is Library.CONVOLUTION:  # cuDNN: a workspace marker
+        if convolution:  # cuDNN: a workspace marker
             self.markers.append(
                 OpMarker(
                     self.event_count - 1,
@@ -329,6 +332,22 @@ class AllocationRecorder(TorchDispatchMode):
                 )
             )
         return out
+
+
+_OP_FACTS: dict[Any, tuple[str, bool]] = {}
+"""Each op's name as op counts spell it and whether it runs in cuDNN's convolutions, asked
+of every op dispatched: found once per op."""
+
+
+def _op_facts(func) -> tuple[str, bool]:
+    """``_OP_FACTS[func]``, found and kept.
+
+    >>> _op_facts(torch.ops.aten.convolution.default)
+    ('convolution', True)
+    """
+    name = str(func.overloadpacket.__name__) if hasattr(func, "overloadpacket") else str(func)
+    facts = _OP_FACTS[func] = (name, library_of(func) is Library.CONVOLUTION)
+    return facts
 
 
 @contextlib.contextmanager

@@ -218,8 +218,8 @@ def prepare_model_for(built: BuiltModel, recipe: Recipe) -> list[str]:
     model.train(recipe.is_training)
     if recipe.grad_accum > MAX_MICRO_STEPS:
         notes.append(
-            f"gradient accumulation {recipe.grad_accum}: traced {MAX_MICRO_STEPS} micro-steps "
-            "per iteration (memory repeats from the second on)"
+            f"gradient accumulation {recipe.grad_accum}: {MAX_MICRO_STEPS} micro-steps per "
+            f"iteration stand for {recipe.grad_accum} (memory repeats from the second on)"
         )
     return notes
 
