@@ -122,6 +122,35 @@ STEP_ONLY = (
 )
 """Recipe fields that change how a step runs and not the model built for it."""
 
+BUILD_FREE = (
+    "grad_accum",
+    "checkpointing",
+    "activation_offload",
+    "optimizer_impl",
+    "optimizer_in_backward",
+    "zero_grad",
+)
+"""Recipe fields no model source reads (``sources/`` reads ``batch_size``, ``optimizer`` and
+``loss_chunks`` of ``STEP_ONLY``): recipes that differ only in them trace one build."""
+
+
+KEPT_BUILDS = 8
+"""Builds ``traced_build`` keeps (the latest used): a 70B QLoRA build holds 18 MiB."""
+
+
+def build_key(recipe: Recipe) -> str:
+    """What a build to trace is kept under (``Workbench.traced_build``).
+
+    >>> build_key(Recipe(grad_accum=4, checkpointing="full")) == build_key(Recipe())
+    True
+    >>> build_key(Recipe(optimizer="sgd")) == build_key(Recipe())
+    False
+    """
+    data = recipe.to_json()
+    for name in BUILD_FREE:
+        data.pop(name, None)
+    return json.dumps(data, sort_keys=True, default=str)
+
 
 @dataclass
 class TraceLog:
@@ -196,6 +225,8 @@ class Workbench:
     _facts: dict[str, ModelFacts] = field(default_factory=dict)
     _read_only: dict[str, BuiltModel] = field(default_factory=dict)
     """Meta builds kept to read (``model_of``)."""
+    _to_trace: dict[str, BuiltModel] = field(default_factory=dict)
+    """Meta builds kept to trace again (``traced_build``), by ``build_key``."""
 
     def __post_init__(self) -> None:
         if self.device.gpu is None:
@@ -294,6 +325,48 @@ class Workbench:
             built.short_traces = self._short_traces
         return built
 
+    def traced_build(self, recipe: Recipe) -> BuiltModel:
+        """The build to trace ``recipe`` on, shared with the recipes that differ from it
+        only in fields no source reads (``BUILD_FREE``). A trace whose repeated blocks are
+        rebuilt from short ones traces cut copies of the model and leaves the build as it
+        was (``trace/repeat.py``); ``spent`` drops a build a trace ran on itself. A build of
+        a 70B QLoRA model takes a second (peft wraps 560 layers).
+
+        >>> from vramplan.device.options import device_options
+        >>> bench = Workbench("torchvision:resnet18", device_options(gpu="T4"))
+        >>> plain = bench.traced_build(Recipe(batch_size=2))
+        >>> bench.traced_build(Recipe(batch_size=2, grad_accum=4)) is plain
+        True
+        >>> bench.spent(Recipe(batch_size=2))
+        >>> bench.traced_build(Recipe(batch_size=2)) is plain
+        False
+        """
+        key = build_key(recipe)
+        built = self._to_trace.pop(key, None) or self.build(self.model, recipe)
+        self._to_trace[key] = built  # the latest used last: the oldest go first
+        while len(self._to_trace) > KEPT_BUILDS:
+            del self._to_trace[next(iter(self._to_trace))]
+        built.short_traces = self._short_traces if self.shares_short_traces else None
+        return built
+
+    def spent(self, recipe: Recipe) -> None:
+        """Forget ``recipe``'s build (``traced_build``): a trace ran on its model itself,
+        which it may have changed (checkpointing switched on, casts, FSDP's wrapping)."""
+        self._to_trace.pop(build_key(recipe), None)
+
+    def _trace(self, recipe: Recipe, policy: Any, engine: Any, device: DeviceOptions):
+        """``trace_and_estimate`` on ``recipe``'s shared build (``traced_build``), given
+        up where the trace did not leave it as it was."""
+        built = self.traced_build(recipe)
+        try:
+            estimate, trace = trace_and_estimate(built, recipe, "cuda", device, policy, engine)
+        except BaseException:
+            self.spent(recipe)
+            raise
+        if not trace.renumbered:  # traced whole, on the build's own model
+            self.spent(recipe)
+        return estimate, trace
+
     def model_of(self, recipe: Recipe) -> BuiltModel:
         """A meta build of ``recipe``'s model to read (its kind, blocks, trainable
         parameters), built once for the recipes that differ only in how the step runs
@@ -347,11 +420,7 @@ class Workbench:
             what = "" if engine is None else f"FSDP rank of {engine.world_size}"
             with self._tracing_here():
                 estimate, trace = self.timed(
-                    recipe,
-                    lambda: trace_and_estimate(
-                        self.built(recipe), recipe, "cuda", device, policy, engine
-                    ),
-                    what,
+                    recipe, lambda: self._trace(recipe, policy, engine, device), what
                 )
             if self.finish is not None:
                 estimate = self.finish(estimate, trace, device)
