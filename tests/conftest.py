@@ -11,6 +11,8 @@ import torch
 from torch import nn
 
 from vramplan.cli import main
+from vramplan.device.options import device_options
+from vramplan.planner.bench import Workbench
 from vramplan.recipe import Recipe
 from vramplan.sources import resolve
 from vramplan.sources.base import BuiltModel
@@ -278,6 +280,22 @@ def fsdp_peaks(spec: str, recipe, world: int) -> tuple[int, int]:
                     tracker.reset_mod_stats()  # its per-module stats; the peak is kept
             theirs = max(v["Total"] for v in tracker.get_tracker_snapshot("peak").values())
     return ours, theirs
+
+
+def plan_bench(spec: str, repeat: bool = True, builds: list | None = None) -> Workbench:
+    """A workbench on an A100-80GB that shares short traces as plan's does, its builds
+    repeating blocks or not (``repeat``), each build's recipe noted in ``builds``."""
+
+    def build(name: str, recipe: Recipe) -> BuiltModel:
+        if builds is not None:
+            builds.append(recipe)
+        built = resolve(name, recipe)
+        built.repeat_blocks = repeat
+        return built
+
+    bench = Workbench(spec, device_options(gpu="a100-80gb"), build=build)
+    bench.shares_short_traces = True
+    return bench
 
 
 def hf_builder(tmp_path: Path, config: dict, recipe: Recipe) -> Callable[[], BuiltModel]:

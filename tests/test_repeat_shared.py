@@ -6,13 +6,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import gqa_llama
+from conftest import gqa_llama, plan_bench
 
-from vramplan.device.options import device_options
-from vramplan.planner.bench import Workbench
 from vramplan.planner.levers import step_flops
 from vramplan.recipe import Recipe
-from vramplan.sources import resolve
 from vramplan.trace import step
 from vramplan.trace.repeat import same_events
 
@@ -33,17 +30,6 @@ def llama(tmp_path):
     return spec
 
 
-def _bench(spec: str, repeat: bool) -> Workbench:
-    def build(name: str, recipe: Recipe):
-        built = resolve(name, recipe)
-        built.repeat_blocks = repeat
-        return built
-
-    bench = Workbench(spec, device_options(gpu="a100-80gb"), build=build)
-    bench.shares_short_traces = True  # as plan's bench does
-    return bench
-
-
 def test_checkpointed_counts_share_short_traces(llama, monkeypatch):
     """Checkpointing 5 and then 6 of 11 blocks (both stretches long enough to repeat): the
     second estimate runs no trace of its own, nor the check that the short traces rebuild
@@ -62,7 +48,7 @@ def test_checkpointed_counts_share_short_traces(llama, monkeypatch):
     monkeypatch.setattr("vramplan.pipeline.trace_training", counted)
     monkeypatch.setattr("vramplan.trace.repeat.same_events", checked)
     spec = llama(11)
-    bench = _bench(spec, repeat=True)
+    bench = plan_bench(spec, repeat=True)
     bench.estimate(Recipe(batch_size=2, seq_len=32, checkpointing="5"))
     first = len(calls)
     recipe = Recipe(batch_size=2, seq_len=32, checkpointing="6")
@@ -73,7 +59,7 @@ def test_checkpointed_counts_share_short_traces(llama, monkeypatch):
         n.startswith("repeated blocks: the 11 model.layers blocks are stretches of 6")
         for n in shared.notes
     )
-    full, traced = _bench(spec, repeat=False).run(recipe)
+    full, traced = plan_bench(spec, repeat=False).run(recipe)
     assert same_events(rebuilt, traced) and rebuilt.op_counts == traced.op_counts
     assert shared.peak.allocated_bytes == full.peak.allocated_bytes
     assert shared.components == full.components
@@ -95,13 +81,13 @@ def test_a_short_plain_stretch_is_rebuilt_from_the_shared_traces(llama, monkeypa
         "vramplan.pipeline.trace_training", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     spec = llama(11)
-    bench = _bench(spec, repeat=True)
+    bench = plan_bench(spec, repeat=True)
     bench.estimate(Recipe(batch_size=2, seq_len=32, checkpointing="5"))
     first = len(calls)
     recipe = Recipe(batch_size=2, seq_len=32, checkpointing=count)
     shared, rebuilt = bench.run(recipe)
     assert first > 0 and len(calls) == first
-    full, traced = _bench(spec, repeat=False).run(recipe)
+    full, traced = plan_bench(spec, repeat=False).run(recipe)
     assert same_events(rebuilt, traced) and rebuilt.op_counts == traced.op_counts
     assert shared.peak.allocated_bytes == full.peak.allocated_bytes
     assert shared.components == full.components
@@ -112,5 +98,5 @@ def test_recompute_flops_are_the_whole_depths(llama):
     recomputed forward counted too)."""
     spec = llama(6)
     recipe = Recipe(batch_size=2, seq_len=32, checkpointing="full")
-    repeated = step_flops(_bench(spec, repeat=True), recipe)
-    assert repeated == step_flops(_bench(spec, repeat=False), recipe)
+    repeated = step_flops(plan_bench(spec, repeat=True), recipe)
+    assert repeated == step_flops(plan_bench(spec, repeat=False), recipe)

@@ -7,12 +7,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import gqa_llama
+from conftest import gqa_llama, plan_bench
 
-from vramplan.device.options import device_options
-from vramplan.planner.bench import Workbench
 from vramplan.recipe import Recipe
-from vramplan.sources import resolve
 
 BASE = Recipe(batch_size=2, seq_len=64, precision="bf16")
 VARIANTS = [
@@ -37,31 +34,19 @@ def llama(tmp_path) -> str:
     return f"hf:{path}"
 
 
-def _bench(spec: str, builds: list, repeat: bool = True) -> Workbench:
-    def build(name: str, recipe: Recipe):
-        builds.append(recipe)
-        built = resolve(name, recipe)
-        built.repeat_blocks = repeat
-        return built
-
-    bench = Workbench(spec, device_options(gpu="a100-80gb"), build=build)
-    bench.shares_short_traces = True  # as plan's bench does
-    return bench
-
-
 def test_one_build_serves_the_recipes_and_estimates_as_a_build_each(llama):
     shared_builds: list = []
-    shared = _bench(llama, shared_builds)
+    shared = plan_bench(llama, builds=shared_builds)
     together = [shared.estimate(recipe).to_json() for recipe in VARIANTS]
     assert len(shared_builds) == 1  # bf16 casts it after the first: the others trace it so
     for recipe, estimate in zip(VARIANTS, together, strict=True):
-        alone = _bench(llama, []).estimate(recipe).to_json()
+        alone = plan_bench(llama).estimate(recipe).to_json()
         assert json.dumps(estimate, sort_keys=True) == json.dumps(alone, sort_keys=True)
 
 
 def test_a_build_traced_whole_is_built_again(llama):
     builds: list = []
-    bench = _bench(llama, builds, repeat=False)
+    bench = plan_bench(llama, repeat=False, builds=builds)
     bench.estimate(BASE)
     bench.estimate(BASE.with_changes(grad_accum=2))
     assert len(builds) == 2
@@ -69,7 +54,7 @@ def test_a_build_traced_whole_is_built_again(llama):
 
 def test_fields_a_source_reads_get_their_own_build(llama):
     builds: list = []
-    bench = _bench(llama, builds)
+    bench = plan_bench(llama, builds=builds)
     bench.estimate(BASE)
     bench.estimate(BASE.with_changes(optimizer="sgd"))  # Keras builds read the optimizer
     bench.estimate(BASE.with_changes(loss_chunks=4))  # the fine-tuning loss is built
