@@ -3,14 +3,18 @@ PyTorch's documented rules (CUDACachingAllocator.cpp; research/runtime.md §1)."
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from vramplan.device.allocator import (
     MB,
+    SEGMENT_SPACING,
     AllocatorConfig,
     CachingAllocator,
     OutOfMemory,
     Request,
+    pool_key,
     replay,
     round_size,
     segment_size,
@@ -102,6 +106,17 @@ def test_best_fit_prefers_the_smallest_block():
     sim.free(small, 12 * MB)
     reused = sim.malloc(11 * MB)
     assert reused.segment is small.segment
+
+
+def test_pool_keys_sort_as_stream_size_address_tuples():
+    # PyTorch's BlockComparatorSize orders a pool by (stream, size, address); the packed int
+    # keys must order the same, up to the largest simulated addresses (segments placed
+    # below start 2**20 spacings up) and sizes beyond any card.
+    rng = random.Random(7)
+    top = 2**20 * SEGMENT_SPACING + 2**45
+    triples = [(rng.randrange(4), rng.randrange(1, 2**50), rng.randrange(top)) for _ in range(2000)]
+    triples += [(0, 512, 0), (0, 512, top), (1, 512, 0), (0, 2**50, top)]
+    assert sorted(triples, key=lambda t: pool_key(*t)) == sorted(triples)
 
 
 def test_max_split_size_keeps_oversize_blocks_whole():

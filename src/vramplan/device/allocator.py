@@ -21,7 +21,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 from vramplan.device.alloc_conf import (
@@ -84,8 +84,8 @@ class Block:
     allocated: bool = False
     prev: Block | None = None
     next: Block | None = None
-    filed: tuple[int, int, int] = (0, 0, 0)
-    """The ``key`` it was filed under in its pool (while free)."""
+    filed: int = 0
+    """The key it was filed under in its pool (while free): ``pool_key``."""
 
 
 @dataclass(eq=False, slots=True)
@@ -127,16 +127,33 @@ class OutOfMemory(Exception):
         self.stats = stats
 
 
-@dataclass
+STREAM_SHIFT = 128
+SIZE_SHIFT = 64
+"""A free block's key packs (stream, size, address) into one int, which sorts as the tuple
+would (sizes and simulated addresses stay below 2**64) and compares and hashes faster."""
+
+
+def pool_key(stream: int, size: int, address: int) -> int:
+    """The key a free block is filed under: sorting keys sorts by stream, size, address.
+
+    >>> pool_key(0, 512, 2**40) < pool_key(0, 1024, 0) < pool_key(1, 512, 0)
+    True
+    """
+    return (stream << STREAM_SHIFT) | (size << SIZE_SHIFT) | address
+
+
 class _Pool:
     """Free blocks of one pool, ordered by (stream, size, address): best fit is a
     bisection within the requesting stream."""
 
-    keys: list[tuple[int, int, int]] = field(default_factory=list)
-    blocks: dict[tuple[int, int, int], Block] = field(default_factory=dict)
+    __slots__ = ("keys", "blocks")
+
+    def __init__(self) -> None:
+        self.keys: list[int] = []
+        self.blocks: dict[int, Block] = {}
 
     def add(self, block: Block) -> None:
-        key = block.filed = (block.segment.stream, block.size, block.address)
+        key = block.filed = pool_key(block.segment.stream, block.size, block.address)
         bisect.insort(self.keys, key)
         self.blocks[key] = block
 
@@ -144,14 +161,21 @@ class _Pool:
         """Take out ``block``, filed under its key as it was when added (a block does not
         change while it is in a pool)."""
         key = block.filed
-        del self.keys[bisect.bisect_left(self.keys, key)]
+        keys = self.keys
+        del keys[bisect.bisect_left(keys, key)]
         del self.blocks[key]
 
     def best_fit(self, size: int, stream: int = 0) -> Block | None:
-        index = bisect.bisect_left(self.keys, (stream, size, -1))
-        if index < len(self.keys) and self.keys[index][0] == stream:
-            return self.blocks[self.keys[index]]
+        keys = self.keys
+        index = bisect.bisect_left(keys, (stream << STREAM_SHIFT) | (size << SIZE_SHIFT))
+        if index < len(keys) and keys[index] >> STREAM_SHIFT == stream:
+            return self.blocks[keys[index]]
         return None
+
+    def sizes(self, stream: int) -> list[int]:
+        """The sizes of the stream's free blocks."""
+        mask = (1 << (STREAM_SHIFT - SIZE_SHIFT)) - 1
+        return [(k >> SIZE_SHIFT) & mask for k in self.keys if k >> STREAM_SHIFT == stream]
 
 
 class CachingAllocator:
@@ -178,6 +202,8 @@ class CachingAllocator:
     ) -> None:
         self.config = config
         self.capacity = capacity
+        self._plain_rounding = not config.rounds_to_divisions
+        self._max_split = config.max_split_size
         self.stats = AllocatorStats()
         self.small = _Pool()
         self.large = _Pool()
@@ -191,7 +217,10 @@ class CachingAllocator:
     def malloc(self, size: int, stream: int = 0) -> Block:
         """Serve a request of ``size`` bytes on ``stream``; raise ``OutOfMemory`` when it
         cannot."""
-        rounded = round_size(size, self.config)
+        if self._plain_rounding:  # round_size's common case, inline: the replay's hot path
+            rounded = -(-size // MIN_BLOCK) * MIN_BLOCK or MIN_BLOCK
+        else:
+            rounded = round_size(size, self.config)
         small = rounded <= SMALL_SIZE
         pool = self.small if small else self.large
         block = self._free_block(pool, rounded, stream)
@@ -207,15 +236,15 @@ class CachingAllocator:
             raise OutOfMemory(size, self.stats)
         block = self._split(block, rounded, pool)
         block.allocated = True
-        self.stats.allocated += block.size
-        self.stats.requested += size
+        stats = self.stats
+        stats.allocated += block.size
+        stats.requested += size
         self._note_peaks()
         return block
 
     def largest_free(self, stream: int = 0) -> int:
         """The largest cached free block of ``stream`` (``cacheInfo``'s max block)."""
-        sizes = [k[1] for pool in (self.small, self.large) for k in pool.keys if k[0] == stream]
-        return max(sizes, default=0)
+        return max(self.small.sizes(stream) + self.large.sizes(stream), default=0)
 
     def empty_cache(self) -> None:
         """``torch.cuda.empty_cache()``."""
@@ -224,13 +253,17 @@ class CachingAllocator:
     def free(self, block: Block, requested: int = 0) -> None:
         """Return a block to its pool, merging it with free neighbours."""
         block.allocated = False
-        self.stats.allocated -= block.size
-        self.stats.requested -= requested
+        stats = self.stats
+        stats.allocated -= block.size
+        stats.requested -= requested
         pool = self.small if block.segment.small else self.large
-        for neighbour in (block.prev, block.next):
-            if neighbour is not None and not neighbour.allocated:
-                pool.remove(neighbour)
-                self._merge(block, neighbour)
+        before, after = block.prev, block.next
+        if before is not None and not before.allocated:
+            pool.remove(before)
+            self._merge(block, before)
+        if after is not None and not after.allocated:
+            pool.remove(after)
+            self._merge(block, after)
         pool.add(block)
 
     # -- internals ---------------------------------------------------------------------
@@ -251,7 +284,7 @@ class CachingAllocator:
         block = pool.best_fit(rounded, stream)
         if block is None:
             return None
-        limit = self.config.max_split_size
+        limit = self._max_split
         if rounded < limit <= block.size:
             return None  # no oversize block for a small request
         if rounded >= limit and block.size >= rounded + self.config.max_non_split_rounding:
@@ -316,7 +349,7 @@ class CachingAllocator:
         if block.segment.small or self.config.expandable_segments:
             worth = remaining >= MIN_BLOCK
         else:
-            worth = rounded < self.config.max_split_size and remaining > SMALL_SIZE
+            worth = rounded < self._max_split and remaining > SMALL_SIZE
         if not worth:
             return block
         rest = Block(block.segment, block.address + rounded, remaining, prev=block, next=block.next)
@@ -505,35 +538,34 @@ class Replay:
     def run(self, requests: list[Request]) -> ReplayResult:
         """Feed ``requests``; stop at the first out-of-memory error (its index in them)."""
         allocator, live, sizes, limit = self.allocator, self.live, self.sizes, self.limit
-        for position, request in enumerate(requests):
-            if request.empty_cache:
+        malloc, free = allocator.malloc, allocator.free
+        for position, (key, size, is_alloc, stream, empty, candidates, fallbacks) in enumerate(
+            requests
+        ):
+            if empty:
                 allocator.empty_cache()
                 continue
-            size = request.size
-            if request.candidates:
-                free = math.inf if limit is None else limit - allocator.stats.reserved
-                available = max(free, allocator.largest_free(request.stream))
-                size = max((c for c in request.candidates if c <= available), default=0)
+            if candidates:
+                free_bytes = math.inf if limit is None else limit - allocator.stats.reserved
+                available = max(free_bytes, allocator.largest_free(stream))
+                size = max((c for c in candidates if c <= available), default=0)
             if size == 0:
                 continue
-            if request.is_alloc:
+            if is_alloc:
                 try:
-                    if request.fallbacks and limit is not None:
-                        sizes_tried = (size, *request.fallbacks)
-                        block, size = _first_that_fits(
-                            allocator, sizes_tried, limit, request.stream
-                        )
+                    if fallbacks and limit is not None:
+                        block, size = _first_that_fits(allocator, (size, *fallbacks), limit, stream)
                         if block is None:
                             continue
                     else:
-                        block = allocator.malloc(size, request.stream)
+                        block = malloc(size, stream)
                 except OutOfMemory:
                     return self._result(oom_at=position)
-                live[request.key] = (block, size)
-                sizes[request.key] = block.size
-            elif request.key in live:
-                block, size = live.pop(request.key)
-                allocator.free(block, size)
+                live[key] = (block, size)
+                sizes[key] = block.size
+            elif key in live:
+                block, size = live.pop(key)
+                free(block, size)
         return self._result()
 
     def _result(self, oom_at: int | None = None) -> ReplayResult:

@@ -752,9 +752,8 @@ def _rebuild(t3, slots3, tok3, labels, regions, names, full, renamer) -> Trace: 
             return slot(lf[0], 0 if bf == 0 else full - 1, lf[2])
         return slot(lf[0], block + bf - ba, lf[2])
 
-    allocations: list[Allocation] = []
-    claimed: dict[int, Allocation] = {}
-    next_id = 0
+    rows: list[tuple[int, int | None, str, Allocation]] = []  # born, died, module, source
+    claimed: set[int] = set()
     for s in slots3:
         if s is None or not s[1]:
             continue
@@ -789,20 +788,18 @@ def _rebuild(t3, slots3, tok3, labels, regions, names, full, renamer) -> Trace: 
                 freed = slots3[src] if src is not None else None
                 if freed is None or freed[1] or _kind(freed[0], names) != _kind(a, names):
                     raise NotRepeatable(f"{a.op}'s storage dies where another one did")
-            module = renamer.renamed(a.module, shift)
-            new = _moved(a, next_id, module, born, died)
             if died is not None:
-                claimed[died] = new
-            next_id += 1
-            allocations.append(new)
+                claimed.add(died)
+            rows.append((born, died, renamer.renamed(a.module, shift), a))
     frees = sum(1 for s in source if s is not None and slots3[s] is not None and not slots3[s][1])
-    if len(claimed) != frees or len({a.alloc_index for a in allocations}) != len(allocations):
+    if len(claimed) != frees or len({row[0] for row in rows}) != len(rows):
         raise NotRepeatable("the rebuilt events do not add up")
-    return _finish(t3, allocations, size, regions, labels, position, full)
+    return _finish(t3, rows, size, labels, position)
 
 
-def _finish(t3: Trace, allocations, size, regions, labels, position, full) -> Trace:
-    """Phase marks, op counts and library markers at the new depth."""
+def _finish(t3: Trace, rows, size, labels, position) -> Trace:
+    """The rebuilt storages (born, died, module, the 3-block trace's allocation) numbered
+    in allocation order, with phase marks and library markers at the new depth."""
     for mark in t3.phases:
         label = labels[mark.index] if mark.index < len(labels) else None
         if label is not None and label[1] == "x":
@@ -819,13 +816,12 @@ def _finish(t3: Trace, allocations, size, regions, labels, position, full) -> Tr
         if marker.index >= 0:
             marker = replace(marker, index=position(marker.index))
         markers.append(marker)
-    allocations.sort(key=lambda a: a.alloc_index)
-    renumbered = [
-        _moved(a, i, a.module, a.alloc_index, a.free_index) for i, a in enumerate(allocations)
-    ]
+    rows.sort(key=lambda row: row[0])
     return replace(
         t3,
-        allocations=tuple(renumbered),
+        allocations=tuple(
+            _moved(a, i, module, born, died) for i, (born, died, module, a) in enumerate(rows)
+        ),
         phases=phases,
         event_count=size,
         markers=tuple(markers),
