@@ -83,18 +83,19 @@ def conv_workspace(
     return Workspace(low, cached, high, (first,), "measured", measured=True)
 
 
-def _copy(a: Allocation, nbytes: int, alloc_index: int, free_index: int | None) -> Allocation:
-    """``a`` resized or moved (``dataclasses.replace`` costs seconds on a long trace)."""
+def _spread(a: Allocation) -> Allocation:
+    """``a`` at its indices times ``SPREAD`` (``dataclasses.replace`` costs seconds on a
+    long trace)."""
     return Allocation(
         a.id,
-        nbytes,
+        a.nbytes,
         a.category,
         a.phase,
         a.iteration,
         a.module,
         a.op,
-        alloc_index,
-        free_index,
+        a.alloc_index * SPREAD,
+        None if a.free_index is None else a.free_index * SPREAD,
         a.stream,
     )
 
@@ -154,15 +155,7 @@ def device_trace(
     (``variant`` picks the low / central / high engine reading). With benchmark on, the
     first call of each configuration first times candidates with the largest workspace
     that fits, then empties the cache; later calls allocate the cached plan's size."""
-    allocations = [
-        _copy(
-            a,
-            nbytes=a.nbytes,
-            alloc_index=a.alloc_index * SPREAD,
-            free_index=None if a.free_index is None else a.free_index * SPREAD,
-        )
-        for a in trace.allocations
-    ]
+    allocations = [_spread(a) for a in trace.allocations]
     next_id = max((a.id for a in trace.allocations), default=-1) + 1
     for phase in (Phase.FORWARD, Phase.BACKWARD):
         start = _first_index(trace, phase)
@@ -392,21 +385,11 @@ def apply_device(estimate: Estimate, trace: Trace, options: DeviceOptions) -> Es
     runs = _replays(trace, options, config, usable)
     central = runs["central"]
     on_device, outside, unlimited = central.on_device, central.outside, central.result
-    rounded = replace(
-        on_device.trace,
-        allocations=tuple(
-            _copy(
-                a,
-                nbytes=unlimited.block_sizes.get(
-                    a.id, 0 if a.id in on_device.candidates else a.nbytes
-                ),
-                alloc_index=a.alloc_index,
-                free_index=a.free_index,
-            )
-            for a in on_device.trace.allocations
-        ),
-    )
-    summary = summarize_trace(rounded, trace.module_kinds)
+    block_sizes = {  # as max_memory_allocated counts them
+        a.id: unlimited.block_sizes.get(a.id, 0 if a.id in on_device.candidates else a.nbytes)
+        for a in on_device.trace.allocations
+    }
+    summary = summarize_trace(on_device.trace, trace.module_kinds, on_device.events, block_sizes)
     stats = unlimited.stats
     job_total = stats.peak_reserved + outside.total
     # The reserved figure and the device total come from the same replay: the unlimited

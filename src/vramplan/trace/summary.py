@@ -24,7 +24,7 @@ from vramplan.result import (
     TimelinePoint,
     empty_components,
 )
-from vramplan.trace.events import Trace
+from vramplan.trace.events import Event, Trace
 
 TIMELINE_POINTS = 400
 TOP_MODULES = 10
@@ -62,10 +62,22 @@ def _kept(totals: list[int], phases: list[str], peak_at: list[int], limit: int) 
     return sorted(kept)
 
 
-def summarize_trace(trace: Trace, module_kinds: dict[str, str] | None = None) -> TraceSummary:
+def summarize_trace(
+    trace: Trace,
+    module_kinds: dict[str, str] | None = None,
+    events: list[Event] | None = None,
+    nbytes: dict[int, int] | None = None,
+) -> TraceSummary:
     """Walk the events twice: once for the running totals, once more to read the
-    components at the few points kept (the peak, each phase's peak, the timeline)."""
-    events = list(trace.events())
+    components at the few points kept (the peak, each phase's peak, the timeline).
+
+    ``events``: ``trace.events()`` where the caller has listed them already; ``nbytes``:
+    each allocation's size by id where the figures count other sizes than the trace's (the
+    device model's block sizes), so the trace need not be copied to resize them."""
+    if events is None:
+        events = list(trace.events())
+    if nbytes is None:
+        nbytes = {a.id: a.nbytes for a in trace.allocations}
     marks = trace.phases
     mark_pos = 0
     total = 0
@@ -78,7 +90,8 @@ def summarize_trace(trace: Trace, module_kinds: dict[str, str] | None = None) ->
         while mark_pos + 1 < len(marks) and marks[mark_pos + 1].index <= event.index:
             mark_pos += 1
         mark = marks[mark_pos]
-        total += event.delta
+        size = nbytes[event.allocation.id]
+        total += size if event.is_alloc else -size
         totals.append(total)
         point_marks.append(mark)
         if total > phase_peaks.get(mark.phase, -1):
@@ -92,7 +105,8 @@ def summarize_trace(trace: Trace, module_kinds: dict[str, str] | None = None) ->
     live = empty_components()
     snapshots: dict[int, dict[str, int]] = {}
     for i, event in enumerate(events):
-        live[event.allocation.category] += event.delta
+        size = nbytes[event.allocation.id]
+        live[event.allocation.category] += size if event.is_alloc else -size
         if i in wanted:
             snapshots[i] = dict(live)
     peak_components = snapshots.get(peak_at, dict(live)) if events else dict(live)
@@ -109,7 +123,7 @@ def summarize_trace(trace: Trace, module_kinds: dict[str, str] | None = None) ->
     by_module: dict[str, int] = defaultdict(int)
     for alloc in trace.live_at(peak_index):
         if alloc.category == Component.ACTIVATIONS:
-            by_module[alloc.module or "(outside modules)"] += alloc.nbytes
+            by_module[alloc.module or "(outside modules)"] += nbytes[alloc.id]
     kinds = module_kinds or {}
     top = sorted(by_module.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_MODULES]
     top_modules = tuple(ModuleUsage(name, kinds.get(name, ""), nbytes) for name, nbytes in top)
