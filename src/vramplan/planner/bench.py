@@ -42,7 +42,6 @@ from vramplan.result import Component, Estimate, Phase
 from vramplan.sources import BuiltModel, resolve
 from vramplan.trace.events import FLOPS_KEY, Trace
 from vramplan.trace.materialize import unique_parameters
-from vramplan.trace.packed import PackedTrace
 from vramplan.trace.paged import paged_from_8bit
 from vramplan.trace.tricks import head_name, offload_candidates
 
@@ -210,9 +209,7 @@ class Workbench:
     finish: Callable[[Estimate, Trace, DeviceOptions], Estimate] | None = None
     """What the framework's runtime makes of each traced step on a card (TensorFlow's
     memory policy and BFC allocator, ``device/tensorflow.py``); None: PyTorch's."""
-    _done: dict[str, tuple[Estimate, Trace | PackedTrace]] = field(default_factory=dict)
-    """Each recipe's estimate and trace, by ``key``; a worker's trace stays packed until
-    it is read (``trace/packed.py``)."""
+    _done: dict[str, tuple[Estimate, Trace]] = field(default_factory=dict)
     shares_short_traces: bool = False
     _short_traces: dict = field(default_factory=dict)
     counts_flops: bool = False
@@ -298,10 +295,9 @@ class Workbench:
         return self.has(self.key(self._read_off(recipe) or recipe))
 
     def keep(
-        self, recipe: Recipe, estimate: Estimate, trace: PackedTrace, label: str, seconds: float
+        self, recipe: Recipe, estimate: Estimate, trace: Trace, label: str, seconds: float
     ) -> None:
-        """A recipe traced in a worker: its estimate and (packed) trace cached, its trace
-        logged."""
+        """A recipe traced in a worker: its estimate and trace cached, its trace logged."""
         self._done[self.key(recipe)] = estimate, trace
         self.log.add(label, seconds)
         settle()
@@ -411,7 +407,7 @@ class Workbench:
         if key not in self._done and self._workers is not None:
             self._workers.wait(key)  # a worker traces it
         if key in self._done:
-            return self._unpacked(key)
+            return self._done[key]
         sibling = self._read_off(recipe)
         if sibling is not None:
             derived = self._paged(recipe, sibling)
@@ -430,15 +426,7 @@ class Workbench:
                 estimate = self.finish(estimate, trace, device)
             self._done[key] = estimate, trace
         settle()  # the cache out of the collector's later passes
-        return self._unpacked(key)
-
-    def _unpacked(self, key: str) -> tuple[Estimate, Trace]:
-        """The cached estimate and trace under ``key``, a worker's trace unpacked (once)."""
-        estimate, trace = self._done[key]
-        if isinstance(trace, PackedTrace):
-            trace = trace.unpack()
-            self._done[key] = estimate, trace
-        return estimate, trace
+        return self._done[key]
 
     def _tracing_here(self) -> contextlib.AbstractContextManager:
         """Within it, the bench traces a recipe itself: its workers start one trace fewer
