@@ -126,7 +126,7 @@ def summarize_trace(
             by_module[alloc.module or "(outside modules)"] += nbytes[alloc.id]
     kinds = module_kinds or {}
     top = sorted(by_module.items(), key=lambda kv: (-kv[1], kv[0]))[:TOP_MODULES]
-    top_modules = tuple(ModuleUsage(name, kinds.get(name, ""), nbytes) for name, nbytes in top)
+    top_modules = tuple(ModuleUsage(name, kinds.get(name, ""), held) for name, held in top)
     return TraceSummary(
         peak=peak,
         peak_index=peak_index,
