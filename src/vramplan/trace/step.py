@@ -28,6 +28,7 @@ from vramplan.result import Component, Phase
 from vramplan.sources.base import BuiltModel
 from vramplan.trace.autograd_fork import note_backward
 from vramplan.trace.categorize import categorize
+from vramplan.trace.fake_mode import fake_mode
 from vramplan.trace.compiled import compile_blocks, compile_note
 from vramplan.trace.copied_iteration import IterationCopy, copyable
 from vramplan.trace.copied_micro_step import MicroStepCopy, micro_steps_copyable
@@ -158,7 +159,7 @@ def tracing(
     if counter is not None:
         counter.reset()
     recorder = AllocationRecorder(modules, counter)
-    session = TracingSession(recorder, modules, FakeTensorMode(), policy)
+    session = TracingSession(recorder, modules, fake_mode(), policy)
     if recipe.is_training:
         note_backward()  # forked workers could not run autograd from here on
     try:
