@@ -28,12 +28,12 @@ from vramplan.result import Component, Phase
 from vramplan.sources.base import BuiltModel
 from vramplan.trace.autograd_fork import note_backward
 from vramplan.trace.categorize import categorize
-from vramplan.trace.fake_mode import fake_mode
 from vramplan.trace.compiled import compile_blocks, compile_note
 from vramplan.trace.copied_iteration import IterationCopy, copyable
 from vramplan.trace.copied_micro_step import MicroStepCopy, micro_steps_copyable
 from vramplan.trace.errors import explain_failure
 from vramplan.trace.events import Trace
+from vramplan.trace.fake_mode import fake_mode
 from vramplan.trace.loop import ITERATIONS, MAX_MICRO_STEPS, frees_gradients, run_steps
 from vramplan.trace.materialize import materialize, unique_parameters
 from vramplan.trace.modules import ModuleStack
