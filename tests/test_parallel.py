@@ -273,3 +273,56 @@ def test_the_bench_traces_one_itself_where_a_worker_still_traces_what_was_ahead(
     result = json.loads(done.stdout)
     assert result["started"] and result["left"] and result["sent"] and result["nothing"]
     assert result["in_workers"] == 3 and len(result["statuses"]) == 4
+
+
+_PACKED_SCRIPT = """
+import json, sys
+from vramplan.device.options import device_options
+from vramplan.planner.bench import Workbench
+from vramplan.recipe import Recipe
+from vramplan.trace.packed import PackedTrace
+from vramplan.trace.repeat import same_events
+
+recipes = [Recipe(batch_size=b, seq_len=256) for b in (2, 1)]
+bench = Workbench(sys.argv[1], device_options(gpu_memory="941MiB"), jobs=2)
+with bench.side_by_side(recipes[0]):
+    bench.prefetch(recipes)
+    estimates = [bench.estimate(r) for r in recipes]
+    packed = [isinstance(bench._done[bench.key(r)][1], PackedTrace) for r in recipes]
+    read = bench.run(recipes[0])[1]
+    unpacked = not isinstance(bench._done[bench.key(recipes[0])][1], PackedTrace)
+    still = isinstance(bench._done[bench.key(recipes[1])][1], PackedTrace)
+alone = Workbench(sys.argv[1], device_options(gpu_memory="941MiB"))
+print(json.dumps({
+    "in_workers": bench.log.side_by_side,
+    "packed": packed,
+    "unpacked": unpacked,
+    "still": still,
+    "same_events": same_events(read, alone.run(recipes[0])[1]),
+    "same_estimates": [e.to_json() for e in estimates] == [
+        alone.estimate(r).to_json() for r in recipes
+    ],
+}))
+"""
+
+
+@needs_fork
+def test_a_workers_trace_stays_packed_until_the_bench_reads_it(tmp_path):
+    """Traces sent back by workers are kept pickled (``trace/packed.py``): reading their
+    estimates leaves them so; ``run`` unpacks one, event for event the trace of the same
+    recipe traced in this process, and leaves the others packed."""
+    from conftest import PLAN_LLAMA
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PLAN_LLAMA))
+    done = subprocess.run(
+        [sys.executable, "-c", _PACKED_SCRIPT, f"hf:{path}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["in_workers"] == 2 and result["packed"] == [True, True]
+    assert result["unpacked"] and result["still"]
+    assert result["same_events"] and result["same_estimates"]

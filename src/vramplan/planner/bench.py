@@ -42,6 +42,7 @@ from vramplan.result import Component, Estimate, Phase
 from vramplan.sources import BuiltModel, resolve
 from vramplan.trace.events import FLOPS_KEY, Trace
 from vramplan.trace.materialize import unique_parameters
+from vramplan.trace.packed import PackedTrace
 from vramplan.trace.paged import paged_from_8bit
 from vramplan.trace.tricks import head_name, offload_candidates
 
@@ -209,7 +210,9 @@ class Workbench:
     finish: Callable[[Estimate, Trace, DeviceOptions], Estimate] | None = None
     """What the framework's runtime makes of each traced step on a card (TensorFlow's
     memory policy and BFC allocator, ``device/tensorflow.py``); None: PyTorch's."""
-    _done: dict[str, tuple[Estimate, Trace]] = field(default_factory=dict)
+    _done: dict[str, tuple[Estimate, Trace | PackedTrace]] = field(default_factory=dict)
+    """Each recipe's estimate and trace, by ``key``; a worker's trace stays packed until
+    something reads it (``run``: a floor, a FLOP count, another card), most never are."""
     shares_short_traces: bool = False
     _short_traces: dict = field(default_factory=dict)
     counts_flops: bool = False
@@ -295,9 +298,10 @@ class Workbench:
         return self.has(self.key(self._read_off(recipe) or recipe))
 
     def keep(
-        self, recipe: Recipe, estimate: Estimate, trace: Trace, label: str, seconds: float
+        self, recipe: Recipe, estimate: Estimate, trace: PackedTrace, label: str, seconds: float
     ) -> None:
-        """A recipe traced in a worker: its estimate and trace cached, its trace logged."""
+        """A recipe traced in a worker: its estimate and packed trace cached, its trace
+        logged."""
         self._done[self.key(recipe)] = estimate, trace
         self.log.add(label, seconds)
         settle()
@@ -404,6 +408,15 @@ class Workbench:
         """The estimate and trace of ``recipe`` as traced (traced once, then cached): one
         GPU's, or under an FSDP layout one rank's (``estimate`` gives the rank's figures)."""
         key = self.key(recipe)
+        estimate, trace = self._traced(recipe)
+        if isinstance(trace, PackedTrace):  # a worker's, read for the first time
+            trace = trace.unpack()
+            self._done[key] = estimate, trace
+        return estimate, trace
+
+    def _traced(self, recipe: Recipe) -> tuple[Estimate, Trace | PackedTrace]:
+        """``run``'s estimate and trace, a worker's trace still packed."""
+        key = self.key(recipe)
         if key not in self._done and self._workers is not None:
             self._workers.wait(key)  # a worker traces it
         if key in self._done:
@@ -465,7 +478,7 @@ class Workbench:
         return estimate, paged
 
     def estimate(self, recipe: Recipe) -> Estimate:
-        return self.ranked(recipe, self.run(recipe)[0])
+        return self.ranked(recipe, self._traced(recipe)[0])
 
     def ranked(self, recipe: Recipe, traced: Estimate) -> Estimate:
         """``traced`` (``recipe``'s estimate as ``run`` traced it) as one rank of the
@@ -580,7 +593,6 @@ class Workbench:
         """The same traced step judged against another card (with that card's measured
         table, if any); on the bench's own card (the same device options), the estimate it
         was traced with: no second device replay."""
-        estimate, trace = self.run(recipe)
         options = replace(
             self.device,
             gpu=gpu,
@@ -588,7 +600,8 @@ class Workbench:
             measured=measured_for(gpu.name, self.device.software.slug),
         )
         if options == self.device:
-            return self.ranked(recipe, estimate)
+            return self.estimate(recipe)
+        estimate, trace = self.run(recipe)
         tensor_level = estimate_from_trace(trace, estimate.model, recipe, "cuda", list(trace.notes))
         traced_options = self._traced_device(options)
         on_card = apply_device(tensor_level, trace, traced_options)

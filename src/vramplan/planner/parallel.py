@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from vramplan.limits import user_code_limit
 from vramplan.planner.shared_traces import ShortTraceStore
 from vramplan.trace.autograd_fork import forked_autograd_runs
+from vramplan.trace.packed import PackedTrace
 
 if TYPE_CHECKING:
     from vramplan.recipe import Recipe
@@ -398,9 +399,10 @@ def _serve(pipe: Any) -> None:
 
 
 def _trace_in_worker(recipe: Recipe) -> tuple[Any, ...] | str | None:
-    """In a worker: the recipe's estimate and trace, and the label and seconds of the
-    trace (its short traces are shared through the folder); ``UNUSABLE`` when autograd
-    cannot run in this process; None when the trace failed (the bench retries it)."""
+    """In a worker: the recipe's estimate and packed trace (``trace/packed.py``), and the
+    label and seconds of the trace (its short traces are shared through the folder);
+    ``UNUSABLE`` when autograd cannot run in this process; None when the trace failed (the
+    bench retries it)."""
     import torch
 
     bench = _BENCH
@@ -419,4 +421,4 @@ def _trace_in_worker(recipe: Recipe) -> tuple[Any, ...] | str | None:
     except Exception:  # noqa: BLE001 - the parent traces it again and raises there
         return None
     seconds = time.perf_counter() - start
-    return recipe, estimate, trace, bench.label(recipe), seconds
+    return recipe, estimate, PackedTrace.of(trace), bench.label(recipe), seconds
