@@ -100,19 +100,6 @@ def test_the_installed_torch_gets_the_keyed_mode():
     assert isinstance(fake_mode(), KeyedFakeTensorMode)
 
 
-LLAMA = {
-    "model_type": "llama",
-    "architectures": ["LlamaForCausalLM"],
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 128,
-}
-
-
 @pytest.mark.parametrize(
     "knobs",
     [
@@ -124,8 +111,10 @@ LLAMA = {
 )
 def test_a_traced_step_is_the_same_under_pytorchs_own_mode(tmp_path, monkeypatch, knobs):
     pytest.importorskip("transformers")
+    from conftest import PLAN_LLAMA
+
     path = tmp_path / "llama.json"
-    path.write_text(json.dumps(LLAMA))
+    path.write_text(json.dumps(PLAN_LLAMA))
     recipe = Recipe(batch_size=2, seq_len=32, **knobs)
     device = device_options(gpu="a100-80gb")
     results = []

@@ -225,6 +225,20 @@ def test_workers_share_the_short_traces_of_checkpointed_counts(tmp_path):
     assert side_by_side["estimates"] == alone["estimates"]
 
 
+def _on_plan_llama(script: str, tmp_path) -> dict:
+    """What ``script`` prints (JSON), run in a fresh process (its autograd has run nothing
+    before the workers are forked) on the plan tests' Llama."""
+    from conftest import PLAN_LLAMA
+
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(PLAN_LLAMA))
+    done = subprocess.run(
+        [sys.executable, "-c", script, f"hf:{path}"], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    return json.loads(done.stdout)
+
+
 _BUSY_SCRIPT = """
 import json, sys
 from vramplan.device.options import device_options
@@ -259,18 +273,7 @@ def test_the_bench_traces_one_itself_where_a_worker_still_traces_what_was_ahead(
     go to the workers, the last is left to the bench (it would only wait otherwise); with
     more sent than workers, asking for nothing leaves nothing; every estimate comes
     back."""
-    from conftest import PLAN_LLAMA
-
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(PLAN_LLAMA))
-    done = subprocess.run(
-        [sys.executable, "-c", _BUSY_SCRIPT, f"hf:{path}"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+    result = _on_plan_llama(_BUSY_SCRIPT, tmp_path)
     assert result["started"] and result["left"] and result["sent"] and result["nothing"]
     assert result["in_workers"] == 3 and len(result["statuses"]) == 4
 
@@ -311,18 +314,7 @@ def test_a_workers_trace_stays_packed_until_the_bench_reads_it(tmp_path):
     """Traces sent back by workers are kept pickled (``trace/packed.py``): reading their
     estimates leaves them so; ``run`` unpacks one, event for event the trace of the same
     recipe traced in this process, and leaves the others packed."""
-    from conftest import PLAN_LLAMA
-
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(PLAN_LLAMA))
-    done = subprocess.run(
-        [sys.executable, "-c", _PACKED_SCRIPT, f"hf:{path}"],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stderr
-    result = json.loads(done.stdout)
+    result = _on_plan_llama(_PACKED_SCRIPT, tmp_path)
     assert result["in_workers"] == 2 and result["packed"] == [True, True]
     assert result["unpacked"] and result["still"]
     assert result["same_events"] and result["same_estimates"]
