@@ -4,7 +4,7 @@
 fake tensor the key is a 17-field ``TensorMetadata`` read through Python properties, and
 building it is over half of what an op costs in a trace (``python -m
 benchmarks.speed.dispatch``). For a dense, strided fake tensor of this mode with static
-sizes, all of those fields follow from eight: dtype, sizes, strides, device, storage
+sizes, all of those fields follow from ten: dtype, sizes, strides, device, storage
 offset, storage bytes, ``requires_grad`` and the conjugate, negative and inference bits.
 ``KeyedFakeTensorMode`` keys such a tensor by one tuple of them, and plain constants by
 their type and value, as PyTorch does; everything else (symbolic sizes, sparse or MKL-DNN
@@ -116,10 +116,17 @@ def tensor_key(tensor: FakeTensor) -> tuple:
     )
 
 
-def fake_mode() -> FakeTensorMode:
-    """A fresh mode for one trace: ``KeyedFakeTensorMode`` where the installed torch
-    builds its key with the method it overrides, else PyTorch's own."""
+def _keyed_mode_applies() -> bool:
+    """Whether the installed torch builds its cache key with the method the keyed mode
+    overrides (PyTorch 2.4 and later)."""
     method = getattr(FakeTensorMode, "_prep_args_for_hash", None)
-    if method is None or list(inspect.signature(method).parameters) != _KEYED_PARAMETERS:
-        return FakeTensorMode()
-    return KeyedFakeTensorMode()
+    return method is not None and list(inspect.signature(method).parameters) == _KEYED_PARAMETERS
+
+
+TRACE_MODE = KeyedFakeTensorMode if _keyed_mode_applies() else FakeTensorMode
+"""The mode traces run in: the keyed one where the installed torch allows it."""
+
+
+def fake_mode() -> FakeTensorMode:
+    """A fresh mode for one trace (``TRACE_MODE``)."""
+    return TRACE_MODE()
