@@ -128,6 +128,7 @@ def _policy(target: str, device: DeviceOptions) -> DevicePolicy:
         software.saves_every_operand,
         software.softmax_keeps_input,
         software.cudnn_dropout_steps,
+        device.card.kernel_card,
     )
 
 

@@ -22,7 +22,13 @@ from functools import cache
 from importlib import resources
 
 from vramplan.errors import UserError
+from vramplan.trace.kernel_scratch import Card
 from vramplan.units import parse_bytes
+
+USUAL_MULTIPROCESSORS = {"sm70": 80, "sm75": 40, "sm80": 108, "sm86": 82, "sm89": 128}
+USUAL_MULTIPROCESSORS |= {"sm90": 132, "sm100": 148, "sm120": 170}
+"""A card given only by memory (``--gpu-memory``): the catalog's flagship of its
+architecture (any other figure is as good a guess; the count moves few reductions)."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,8 @@ class GpuSpec:
     family: str = "Ampere"
     vendor: str = "nvidia"
     aliases: tuple[str, ...] = ()
+    multiprocessors: int | None = None
+    """Streaming multiprocessors (compute units on AMD); None: the architecture's usual."""
 
     @property
     def compute_capability(self) -> tuple[int, int]:
@@ -50,6 +58,24 @@ class GpuSpec:
         if self.vendor == "amd":
             return True
         return self.compute_capability >= (8, 0)
+
+    @property
+    def kernel_card(self) -> Card:
+        """What kernels' launch configurations read of this card (``kernel_scratch.py``):
+        its multiprocessors, else its architecture's usual count, and threads per
+        multiprocessor by architecture (1024 on Turing, 1536 on sm86/sm89/sm120).
+
+        >>> lookup_gpu("l4").kernel_card
+        Card(multiprocessors=58, threads_per_multiprocessor=1536, rocm=False)
+        """
+        major_minor = self.compute_capability
+        threads = 2048
+        if self.vendor == "nvidia" and major_minor in ((7, 5),):
+            threads = 1024
+        elif self.vendor == "nvidia" and major_minor in ((8, 6), (8, 9), (12, 0)):
+            threads = 1536
+        count = self.multiprocessors or USUAL_MULTIPROCESSORS.get(self.arch, 108)
+        return Card(count, threads, rocm=self.vendor == "amd")
 
     def to_json(self) -> dict:
         return {
@@ -100,6 +126,7 @@ def catalog() -> tuple[GpuSpec, ...]:
             family=g["family"],
             vendor=g["vendor"],
             aliases=tuple(g["aliases"]),
+            multiprocessors=g.get("multiprocessors"),
         )
         for g in data["gpus"]
     )

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 
 from vramplan.recipe import Recipe
+from vramplan.trace.kernel_scratch import Card, KernelScratch
 
 
 class DevicePolicy(Protocol):
@@ -46,6 +47,11 @@ class DevicePolicy(Protocol):
     def kernel_calls(self) -> dict[str, int]:
         """The per-kernel call counts ``trace_notes`` reports, live (a copied iteration,
         ``copied_iteration.py``, adds its calls to them)."""
+        ...
+
+    def kernel_scratch(self) -> Any:
+        """What sizes the scratch the device's kernels take inside an op, for the recorder
+        (``kernel_scratch.KernelScratch``), or None."""
         ...
 
 
@@ -84,6 +90,9 @@ class CpuPolicy:
     def kernel_calls(self) -> dict[str, int]:
         return self._convolutions
 
+    def kernel_scratch(self) -> None:
+        return None  # the convolutions' is a dispatch mode's (cpu_conv.py)
+
     def flop_counter(self) -> None:
         return None
 
@@ -103,7 +112,9 @@ class CudaPolicy(CpuPolicy):
     the optimizer's ``step`` counters kept on the host; with ``saves_every_operand``
     (PyTorch before 1.1), autograd's old saving rule for mul/div (``legacy_saving.py``);
     with ``softmax_keeps_input`` (before 1.11), softmax's (``legacy_softmax.py``).
-    ``arch`` names the GPU architecture. One policy serves one traced run.
+    ``arch`` names the GPU architecture, ``card`` what its kernels' launch configurations
+    read (the scratch reductions and fused attention take inside an op,
+    ``kernel_scratch.py``). One policy serves one traced run.
 
     ``F.scaled_dot_product_attention`` runs the kernel the GPU would pick (cuDNN, flash,
     memory-efficient or math; ``cuda_sdpa.py``), not the CPU's choice, LSTMs keep per-step
@@ -120,8 +131,10 @@ class CudaPolicy(CpuPolicy):
         saves_every_operand: bool = False,
         softmax_keeps_input: bool = False,
         cudnn_dropout_steps: bool = True,
+        card: Card | None = None,
     ) -> None:
         self.arch = arch
+        self.scratch = KernelScratch(card or Card())
         self.cudnn_dropout_steps = cudnn_dropout_steps
         self.foreach = foreach
         self.frees_grads = frees_grads
@@ -158,6 +171,9 @@ class CudaPolicy(CpuPolicy):
 
     def kernel_calls(self) -> dict[str, int]:
         return self._kernels
+
+    def kernel_scratch(self) -> KernelScratch:
+        return self.scratch
 
     def trace_notes(self) -> list[str]:
         calls = dict(self._kernels)
@@ -211,14 +227,21 @@ def policy_for(
     saves_every_operand: bool = False,
     softmax_keeps_input: bool = False,
     cudnn_dropout_steps: bool = True,
+    card: Card | None = None,
 ) -> DevicePolicy:
     """The policy for a target device name: ``cuda`` (default, of GPU ``arch``; ``foreach``
     the emulated PyTorch's default optimizer implementation there, ``frees_grads`` its
     ``zero_grad()`` default, ``saves_every_operand`` its autograd saving rule for mul/div,
     ``softmax_keeps_input`` its rule for softmax, ``cudnn_dropout_steps`` its SDPA rule for
-    dropout on cuDNN) or ``cpu``."""
+    dropout on cuDNN, ``card`` what its kernels' launches read) or ``cpu``."""
     if target == "cpu":
         return CpuPolicy()
     return CudaPolicy(
-        arch, foreach, frees_grads, saves_every_operand, softmax_keeps_input, cudnn_dropout_steps
+        arch,
+        foreach,
+        frees_grads,
+        saves_every_operand,
+        softmax_keeps_input,
+        cudnn_dropout_steps,
+        card,
     )

@@ -26,6 +26,7 @@ from vramplan.collector import resume
 from vramplan.ops import Library, library_of
 from vramplan.result import Phase
 from vramplan.trace.events import PhaseMark
+from vramplan.trace.kernel_scratch import ATTENTION_KERNELS, REDUCTIONS
 from vramplan.trace.modules import ModuleStack
 
 
@@ -53,6 +54,8 @@ class OpMarker:
     """``forward``, or the ``backward_data`` / ``backward_filter`` passes a backward runs."""
 
 
+SCRATCH_OPS = frozenset((*REDUCTIONS, *ATTENTION_KERNELS))
+"""The ops whose CUDA kernels take scratch of their own (``kernel_scratch.py``)."""
 _DEVICE_QUERY = torch.ops.prim.device.default
 """``tensor.device`` on a fake tensor: a metadata query, dispatched like an op but run by
 no kernel, and asked as often as Python code happens to ask (not counted)."""
@@ -149,11 +152,17 @@ def storage_key(tensor: torch.Tensor) -> int:
 class AllocationRecorder(TorchDispatchMode):
     """Dispatch mode that logs storage births and deaths with phase and module."""
 
-    def __init__(self, modules: ModuleStack | None = None, counter: Any = None) -> None:
+    def __init__(
+        self, modules: ModuleStack | None = None, counter: Any = None, scratch: Any = None
+    ) -> None:
         super().__init__()
         self.counter = counter
         """Told of every op (``count(func, args, kwargs, out)``), paused or not: the FLOP
         counter (``flops.TotalFlops``), None when nothing counts."""
+        self.scratch = scratch
+        """Sizes the scratch a device kernel takes inside an op (``sizes(name, func, args,
+        kwargs)``, ``kernel_scratch.KernelScratch``): recorded after the op's outputs and
+        freed at once; None on the CPU."""
         resume()  # frees of storages in reference cycles are seen when the collector runs
         self.records: list[StorageRecord] = []
         self.live: dict[int, StorageRecord] = {}
@@ -320,6 +329,13 @@ class AllocationRecorder(TorchDispatchMode):
         for item in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor) and item.device.type != "meta":
                 self.track(item, name)
+        if self.scratch is not None and name in SCRATCH_OPS:
+            held = [
+                self.note_alloc(n, f"{name}:scratch")
+                for n in self.scratch.sizes(name, func, args, kwargs)
+            ]
+            for record in reversed(held):
+                self.note_free(record)
         if convolution:  # cuDNN: a workspace marker
             self.markers.append(
                 OpMarker(

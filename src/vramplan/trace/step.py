@@ -158,7 +158,7 @@ def tracing(
     counter = policy.flop_counter()
     if counter is not None:
         counter.reset()
-    recorder = AllocationRecorder(modules, counter)
+    recorder = AllocationRecorder(modules, counter, policy.kernel_scratch())
     session = TracingSession(recorder, modules, fake_mode(), policy)
     if recipe.is_training:
         note_backward()  # forked workers could not run autograd from here on
