@@ -54,6 +54,7 @@ def run_steps(
     set_to_none: bool = True,
     skips_passes: Callable[[int], bool] = lambda iteration: False,
     copies_micro_step: Callable[[int, int], bool] = lambda iteration, micro_step: False,
+    backward: Callable[[torch.Tensor], None] = torch.Tensor.backward,
 ) -> None:
     """Run ``iterations`` steps: forward+loss, backward (per micro-step), optimizer step,
     ``zero_grad(set_to_none=...)`` (``False``: gradients zeroed in place and kept, as
@@ -84,7 +85,7 @@ def run_steps(
             if recipe.grad_accum > 1:
                 loss = loss / recipe.grad_accum
             mark_phase(Phase.BACKWARD, iteration)
-            loss.backward()
+            backward(loss)
             del loss
         mark_phase(Phase.OPTIMIZER, iteration)
         if optimizer is not None:

@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten
 from vramplan.collector import resume
 from vramplan.ops import Library, library_of
 from vramplan.result import Phase
+from vramplan.trace.accumulation import ADD, accumulates
 from vramplan.trace.events import PhaseMark
 from vramplan.trace.kernel_scratch import ATTENTION_KERNELS, REDUCTIONS
 from vramplan.trace.modules import ModuleStack
@@ -178,6 +179,13 @@ class AllocationRecorder(TorchDispatchMode):
         self.stream_label = ""
         """What the current side stream is for; prefixes the op names it allocates."""
         self._paused = 0
+        self.accumulating = False
+        """Between a backward node and the next: an ``add`` is autograd's accumulation."""
+        self.summing: tuple[StorageRecord, StorageRecord] | None = None
+        """The accumulation just dispatched: (sum, first operand). If the operand dies
+        before the next op, the engine summed into it in place (``accumulation.py``)."""
+        self.continued: dict[int, StorageRecord] = {}
+        """A sum's record id: the operand record whose bytes it took over."""
 
     @contextlib.contextmanager
     def paused(self) -> Iterator[None]:
@@ -296,8 +304,17 @@ class AllocationRecorder(TorchDispatchMode):
     def _on_free(self, record: StorageRecord) -> None:
         if self._closed:
             return
-        if self.live.get(record.key) is record:
+        operand = self.continued.pop(record.id, None)  # a sum made in an operand's bytes
+        current = self.live.get(record.key)
+        if current is record or (current is not None and current is operand):
             del self.live[record.key]
+        bytes_record = operand or record
+        if self.summing is not None and bytes_record is self.summing[1]:
+            self._continue(*self.summing)
+            return
+        self._end(bytes_record)
+
+    def _end(self, record: StorageRecord) -> None:
         if record.free_index is None:
             phase, iteration = self.current_phase()
             self._sync_phase_mark(phase, iteration)
@@ -314,6 +331,21 @@ class AllocationRecorder(TorchDispatchMode):
         self._closed = True
         self.live.clear()
 
+    def opened(self, accumulating: bool) -> None:
+        """``accumulation.backward_in_place``'s switch."""
+        self.accumulating = accumulating
+
+    def _continue(self, total: StorageRecord, operand: StorageRecord) -> None:
+        """The sum was made in the operand's storage: the operand lives on as the sum
+        (its bytes, its tags to come, its death when the sum's storage dies); the sum's own
+        record holds no bytes and ends at once."""
+        self.summing = None
+        total.nbytes = 0
+        self._end(total)  # an empty record, ended here (where the operand's free would be)
+        self.continued[total.id] = operand
+        if self.live.get(total.key) is total:
+            self.live[total.key] = operand
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is _DEVICE_QUERY and isinstance(args[0], FakeTensor):
             return args[0].device  # FakeTensorMode's answer, without its dispatch
@@ -329,6 +361,14 @@ class AllocationRecorder(TorchDispatchMode):
         for item in (out,) if isinstance(out, torch.Tensor) else tree_flatten(out)[0]:
             if isinstance(item, torch.Tensor) and item.device.type != "meta":
                 self.track(item, name)
+        self.summing = None
+        if self.accumulating:  # the engine sums a node's gradients before anything else
+            if func is ADD and accumulates(out, *args[:2]):
+                total, operand = self.record_for(out), self.record_for(args[0])
+                if total is not None and operand is not None and total.nbytes == operand.nbytes:
+                    self.summing = (total, operand)
+            else:
+                self.accumulating = False
         if self.scratch is not None and name in SCRATCH_OPS:
             held = [
                 self.note_alloc(n, f"{name}:scratch")

@@ -10,6 +10,7 @@ the gradients of the second iteration coexist with it::
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,6 +27,7 @@ from vramplan.optimizers import build_optimizer, optimizer_state_tensors, step_h
 from vramplan.recipe import Recipe
 from vramplan.result import Component, Phase
 from vramplan.sources.base import BuiltModel
+from vramplan.trace.accumulation import backward_in_place
 from vramplan.trace.autograd_fork import note_backward
 from vramplan.trace.categorize import categorize
 from vramplan.trace.compiled import compile_blocks, compile_note
@@ -312,6 +314,7 @@ def trace_training(
             set_to_none=set_to_none,
             autocast=_forward_context(policy, recipe, session, model),
             mark_phase=copy.marking(mark) if copy else mark,
+            backward=functools.partial(backward_in_place, recorder=session.recorder),
             **({"after_optimizer": copy.stepped, "skips_passes": copy.skips} if copy else {}),
             **({"copies_micro_step": micro.copies} if micro else {}),
         )
