@@ -16,12 +16,9 @@ threads per multiprocessor (the split depends on them).
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
-from benchmarks.gpu_harvest.sdpa_workspace import events_since, requests_in
+from benchmarks.gpu_harvest.probe import each_case, requests_of, run_probe
 
 
 @dataclass(frozen=True)
@@ -95,10 +92,7 @@ def backward_requests(torch, case: Case) -> list[dict]:
     out = module(x)
     grad = torch.randn_like(out)
     torch.cuda.synchronize()
-    start = len(events_since(torch, 0))
-    out.backward(grad)
-    torch.cuda.synchronize()
-    return requests_in(events_since(torch, start))
+    return requests_of(torch, lambda: out.backward(grad))[0]
 
 
 def run_case(torch, case: Case) -> dict:
@@ -117,41 +111,17 @@ def run_case(torch, case: Case) -> dict:
         "norm": lambda: torch.linalg.vector_norm(x),
     }
     torch.cuda.synchronize()
-    start = len(events_since(torch, 0))
-    out = ops[case.op]()
-    torch.cuda.synchronize()
-    record = {"case": case.name, "requests": requests_in(events_since(torch, start))}
-    del out
-    return record
+    return {"case": case.name, "requests": requests_of(torch, ops[case.op])[0]}
+
+
+def brief(record: dict) -> str:
+    """The case and its scratch requests (bytes)."""
+    scratch = [r["size"] for r in record.get("requests", []) if not r["kept"]]
+    return f"{record['case']} {record.get('error', scratch)}"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    options = parser.parse_args(argv)
-    import torch
-
-    torch.cuda.init()
-    torch.cuda.memory._record_memory_history(max_entries=100_000, context=None, stacks="python")
-    records = []
-    for case in CASES:
-        try:
-            records.append(run_case(torch, case))
-        except (RuntimeError, TypeError, ValueError) as exc:  # recorded, the others go on
-            records.append({"case": case.name, "error": str(exc).splitlines()[0][:200]})
-        scratch = [r["size"] for r in records[-1].get("requests", []) if not r["kept"]]
-        print(case.name, records[-1].get("error", scratch))
-    props = torch.cuda.get_device_properties(0)
-    versions = {
-        "gpu": props.name,
-        "multiprocessors": props.multi_processor_count,
-        "threads_per_multiprocessor": props.max_threads_per_multi_processor,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-    }
-    print(versions)
-    options.out.write_text(json.dumps({"versions": versions, "records": records}, indent=1))
-    return 0
+    return run_probe(__doc__, argv, each_case(CASES, run_case), brief)
 
 
 if __name__ == "__main__":

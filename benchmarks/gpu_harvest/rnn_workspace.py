@@ -15,12 +15,9 @@ the request sizes, each marked ``kept`` (alive when the call returns) or not, in
 
 from __future__ import annotations
 
-import argparse
-import json
 from dataclasses import asdict, dataclass
-from pathlib import Path
 
-from benchmarks.gpu_harvest.sdpa_workspace import events_since, requests_in
+from benchmarks.gpu_harvest.probe import each_case, requests_of, run_probe
 
 
 @dataclass(frozen=True)
@@ -77,47 +74,23 @@ def run_case(torch, case: Case) -> dict:
     x.requires_grad_(True)
     torch.cuda.synchronize()
     record: dict = {"case": case.name, **asdict(case)}
-    start = len(events_since(torch, 0))
-    out, _ = module(x)
-    torch.cuda.synchronize()
-    record["forward"] = requests_in(events_since(torch, start))
+    record["forward"], (out, _) = requests_of(torch, lambda: module(x))
     grad = torch.randn_like(out)
-    start = len(events_since(torch, 0))
-    out.backward(grad)
-    torch.cuda.synchronize()
-    record["backward"] = requests_in(events_since(torch, start))
+    record["backward"], _ = requests_of(torch, lambda: out.backward(grad))
     return record
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    options = parser.parse_args(argv)
-    import torch
-
-    torch.cuda.init()
-    torch.cuda.memory._record_memory_history(max_entries=200_000, context=None, stacks="python")
-    records = []
-    for case in CASES:
-        try:
-            records.append(run_case(torch, case))
-        except (RuntimeError, TypeError, ValueError) as exc:  # recorded, the others go on
-            records.append({"case": case.name, "error": str(exc).splitlines()[0][:200]})
-        torch.cuda.empty_cache()
-        line = records[-1]
-        brief = {
-            p: [(round(r["size"] / 2**20, 3), r["kept"]) for r in line.get(p, [])]
-            for p in ("forward", "backward")
-        }
-        print(case.name, line.get("error", brief))
-    versions = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
+def brief(record: dict) -> str:
+    """The case and its requests (MiB, kept) per pass."""
+    passes = {
+        p: [(round(r["size"] / 2**20, 3), r["kept"]) for r in record.get(p, [])]
+        for p in ("forward", "backward")
     }
-    options.out.write_text(json.dumps({"versions": versions, "records": records}, indent=1))
-    return 0
+    return f"{record['case']} {record.get('error', passes)}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_probe(__doc__, argv, each_case(CASES, run_case), brief)
 
 
 if __name__ == "__main__":

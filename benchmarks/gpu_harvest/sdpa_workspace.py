@@ -18,10 +18,10 @@ pass the request sizes, each marked ``kept`` (alive when the call returns: outpu
 
 from __future__ import annotations
 
-import argparse
-import json
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from pathlib import Path
+
+from benchmarks.gpu_harvest.probe import requests_of, run_probe
 
 BACKENDS = ("cudnn", "flash", "efficient")
 
@@ -82,23 +82,6 @@ CASES = (
 )
 
 
-def events_since(torch, since: int) -> list[dict]:
-    trace = torch.cuda.memory._snapshot()["device_traces"][0]
-    return trace[since:]
-
-
-def requests_in(events: list[dict]) -> list[dict]:
-    """The call's allocations in order: size, and whether it was still live at the end."""
-    out, live = [], {}
-    for event in events:
-        if event["action"] == "alloc":
-            live[event["addr"]] = len(out)
-            out.append({"size": event["size"], "kept": True})
-        elif event["action"] == "free_requested" and event["addr"] in live:
-            out[live.pop(event["addr"])]["kept"] = False
-    return out
-
-
 def measure_case(torch, case: Case, backend: str) -> dict:
     """One forward and one backward call of ``case`` under ``backend``."""
     import torch.nn.functional as F
@@ -132,48 +115,34 @@ def measure_case(torch, case: Case, backend: str) -> dict:
         default = torch._fused_sdp_choice(q, k, v, None, case.dropout, case.causal, enable_gqa=gqa)
         record["default_choice"] = int(default)
         with sdpa_kernel([chosen[backend]]):
-            start = len(events_since(torch, 0))
-            out = F.scaled_dot_product_attention(q, k, v, **kwargs)
-            torch.cuda.synchronize()
-            forward = events_since(torch, start)
-            record["forward"] = requests_in(forward)
-            start = len(events_since(torch, 0))
-            out.backward(grad)
-            torch.cuda.synchronize()
-            backward = events_since(torch, start)
-            record["backward"] = requests_in(backward)
+            forward = lambda: F.scaled_dot_product_attention(q, k, v, **kwargs)  # noqa: E731
+            record["forward"], out = requests_of(torch, forward)
+            record["backward"], _ = requests_of(torch, lambda: out.backward(grad))
     except (RuntimeError, TypeError, ValueError) as exc:  # a kernel that refuses the case
         record["error"] = str(exc).splitlines()[0][:200]
     return record
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
-    options = parser.parse_args(argv)
-    import torch
-
-    torch.cuda.init()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000, context=None, stacks="python")
-    records = []
+def measured(torch) -> Iterator[dict]:
+    """Every case under every backend."""
     for case in CASES:
         for backend in BACKENDS:
-            records.append(measure_case(torch, case, backend))
-            torch.cuda.empty_cache()
-            line = records[-1]
-            brief = {
-                p: [round(r["size"] / 2**20, 3) for r in line.get(p, []) if not r["kept"]]
-                for p in ("forward", "backward")
-            }
-            print(case.name, backend, line.get("default_choice"), line.get("error", brief))
-    versions = {
-        "gpu": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version(),
+            yield measure_case(torch, case, backend)
+
+
+def brief(record: dict) -> str:
+    """The case, the backend, the default choice, and the scratch MiB per pass."""
+    scratch = {
+        p: [round(r["size"] / 2**20, 3) for r in record.get(p, []) if not r["kept"]]
+        for p in ("forward", "backward")
     }
-    options.out.write_text(json.dumps({"versions": versions, "records": records}, indent=1))
-    return 0
+    return f"{record['case']} {record['backend']} {record.get('default_choice')} " + str(
+        record.get("error", scratch)
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_probe(__doc__, argv, measured, brief)
 
 
 if __name__ == "__main__":
