@@ -29,6 +29,8 @@ USUAL_MULTIPROCESSORS = {"sm70": 80, "sm75": 40, "sm80": 108, "sm86": 82, "sm89"
 USUAL_MULTIPROCESSORS |= {"sm90": 132, "sm100": 148, "sm120": 170}
 """A card given only by memory (``--gpu-memory``): the catalog's flagship of its
 architecture (any other figure is as good a guess; the count moves few reductions)."""
+THREADS_PER_MULTIPROCESSOR = {"sm75": 1024, "sm86": 1536, "sm89": 1536, "sm120": 1536}
+"""CUDA's resident threads per multiprocessor where not 2048 (AMD's CDNA: 2048)."""
 
 
 @dataclass(frozen=True)
@@ -68,12 +70,7 @@ class GpuSpec:
         >>> lookup_gpu("l4").kernel_card
         Card(multiprocessors=58, threads_per_multiprocessor=1536, rocm=False)
         """
-        major_minor = self.compute_capability
-        threads = 2048
-        if self.vendor == "nvidia" and major_minor in ((7, 5),):
-            threads = 1024
-        elif self.vendor == "nvidia" and major_minor in ((8, 6), (8, 9), (12, 0)):
-            threads = 1536
+        threads = THREADS_PER_MULTIPROCESSOR.get(self.arch, 2048)
         count = self.multiprocessors or USUAL_MULTIPROCESSORS.get(self.arch, 108)
         return Card(count, threads, rocm=self.vendor == "amd")
 

@@ -332,6 +332,4 @@ class CpuConvScratch(TorchDispatchMode):
         if recorder is None or not buffers:
             return
         op = "convolution" if mask is None else "convolution_backward"
-        held = [recorder.note_alloc(b.nbytes, f"{op}:{backend}:{b.name}") for b in buffers]
-        for record in reversed(held):
-            recorder.note_free(record)
+        recorder.note_scratch((b.nbytes, f"{op}:{backend}:{b.name}") for b in buffers)

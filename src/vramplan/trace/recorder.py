@@ -276,6 +276,13 @@ class AllocationRecorder(TorchDispatchMode):
         """End a storage recorded by ``note_alloc``."""
         self._on_free(record)
 
+    def note_scratch(self, buffers) -> None:
+        """Storages a kernel takes inside an op, as (bytes, op name) pairs: recorded after
+        the op's outputs and freed before it returns, in reverse order."""
+        held = [self.note_alloc(nbytes, op) for nbytes, op in buffers]
+        for record in reversed(held):
+            self.note_free(record)
+
     def _append(self, key: int, nbytes: int, op: str) -> StorageRecord:
         if self.stream_label:
             op = f"{self.stream_label}:{op}"
@@ -370,12 +377,8 @@ class AllocationRecorder(TorchDispatchMode):
             else:
                 self.accumulating = False
         if self.scratch is not None and name in SCRATCH_OPS:
-            held = [
-                self.note_alloc(n, f"{name}:scratch")
-                for n in self.scratch.sizes(name, func, args, kwargs)
-            ]
-            for record in reversed(held):
-                self.note_free(record)
+            sizes = self.scratch.sizes(name, func, args, kwargs)
+            self.note_scratch((nbytes, f"{name}:scratch") for nbytes in sizes)
         if convolution:  # cuDNN: a workspace marker
             self.markers.append(
                 OpMarker(
