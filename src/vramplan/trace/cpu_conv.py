@@ -38,6 +38,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _get_current_dispatch_mode_stack
 
+from vramplan.trace.arguments import bound_arguments
+
 aten = torch.ops.aten
 
 
@@ -81,8 +83,7 @@ class ConvCall:
     def of(cls, func, args, kwargs) -> ConvCall | None:
         """The call of ``aten.convolution`` / ``aten.convolution_backward``, read by argument
         name; None for an input that is not a plain strided CPU tensor."""
-        names = [a.name for a in func._schema.arguments]
-        bound = dict(zip(names, args, strict=False)) | dict(kwargs or {})
+        bound = bound_arguments(func, args, kwargs)
         x, weight = bound["input"], bound["weight"]
         if x.layout != torch.strided or x.device.type != "cpu" or x.is_complex():
             return None
@@ -315,8 +316,7 @@ class CpuConvScratch(TorchDispatchMode):
         if call is None:
             return
         backend = cpu_conv_backend(call, self.host)
-        names = [a.name for a in func._schema.arguments]
-        bound = dict(zip(names, args, strict=False)) | dict(kwargs or {})
+        bound = bound_arguments(func, args, kwargs)
         mask = bound.get("output_mask")
         x, weight = bound["input"], bound["weight"]
         copy = contiguous_copy(x, backend, x, weight)

@@ -43,6 +43,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from vramplan.trace.arguments import bound_arguments
+
 MAX_THREADS = 512  # mnt_wrapper<T>::MAX_NUM_THREADS (256 only for complex double)
 MAX_VALUES_PER_THREAD = 256
 INPUT_VEC = 4  # vt0 / input_vec_size of the sum, mean and norm kernels
@@ -249,9 +251,7 @@ class KernelScratch:
 
 
 def _dims(func, args: tuple, kwargs: dict) -> tuple[int, ...] | None:
-    names = [a.name for a in func._schema.arguments]
-    bound = dict(zip(names, args, strict=False)) | kwargs
-    dims = bound.get("dim")
+    dims = bound_arguments(func, args, kwargs).get("dim")
     if dims is None or (isinstance(dims, (list, tuple)) and not dims):
         return None
     return tuple(dims) if isinstance(dims, (list, tuple)) else (int(dims),)

@@ -26,6 +26,7 @@ from vramplan.collector import resume
 from vramplan.ops import Library, library_of
 from vramplan.result import Phase
 from vramplan.trace.accumulation import ADD, accumulates
+from vramplan.trace.arguments import bound_arguments
 from vramplan.trace.events import PhaseMark
 from vramplan.trace.kernel_scratch import ATTENTION_KERNELS, REDUCTIONS
 from vramplan.trace.modules import ModuleStack
@@ -75,11 +76,9 @@ def conv_fields(func, args, kwargs, out) -> dict:
     name from the op's schema (``convolution``, ``convolution_backward``,
     ``cudnn_convolution`` name them differently)."""
     try:
-        names = [a.name for a in func._schema.arguments]
+        bound = bound_arguments(func, args, kwargs)
     except AttributeError:
         return {}
-    bound = dict(zip(names, args, strict=False))
-    bound.update(kwargs or {})
     x = bound.get("input", bound.get("self"))
     weight = bound.get("weight")
     if not isinstance(x, torch.Tensor) or not isinstance(weight, torch.Tensor):
