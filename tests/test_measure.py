@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -149,11 +150,15 @@ class _Stop(Exception):
     pass
 
 
-def test_cuda_measurement_starts_after_the_cast_copies_are_released(monkeypatch):
+@pytest.mark.parametrize("on_card", [False, True])
+def test_cuda_measurement_starts_after_the_cast_copies_are_released(monkeypatch, on_card):
     """Building on the card and casting (bf16 -> fp32 -> bf16 for a Hub config) leaves the
     earlier copies cached: the harness empties the cache before it resets the peaks, so
     ``max_memory_reserved`` starts from the weights (the TinyLlama row held 3292 MiB of
-    them; test_allocator's cast sequence shows the arithmetic)."""
+    them; test_allocator's cast sequence shows the arithmetic). Weights built on the card
+    go to the host and back in between, on an emptied cache, so that they sit in segments
+    as a load in the run's dtype puts them; a model still on the meta device is left to
+    the run."""
     import torch
 
     from vramplan.measurement import run
@@ -163,11 +168,18 @@ def test_cuda_measurement_starts_after_the_cast_copies_are_released(monkeypatch)
         monkeypatch.setattr(torch.cuda, name, lambda *_, name=name: calls.append(name))
     clear = "_cuda_clearCublasWorkspaces"
     monkeypatch.setattr(torch._C, clear, lambda: calls.append(clear), raising=False)
+    monkeypatch.setattr(run, "_on_card", lambda model: on_card)
+
+    class Model(torch.nn.Linear):
+        def to(self, device):
+            calls.append(f"to {device}")
+            return self
 
     def stop(*_args):
         raise _Stop
 
     monkeypatch.setattr(run, "_run", stop)
     with pytest.raises(_Stop):
-        run._measure_cuda(None, None, 1, None)
-    assert calls == ["init", clear, "empty_cache", "reset_peak_memory_stats"]
+        run._measure_cuda(SimpleNamespace(model=Model(2, 2)), None, 1, None)
+    moved = ["to cpu", "empty_cache", "to cuda"] if on_card else []
+    assert calls == ["init", clear, *moved, "empty_cache", "reset_peak_memory_stats"]

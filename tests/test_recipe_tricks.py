@@ -4,8 +4,11 @@ hooks, saved-tensor hooks) and profiler, and exact arithmetic."""
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import inspect
+import json
+import re
 
 import pytest
 import torch
@@ -13,10 +16,11 @@ from conftest import TINY_LLAMA
 from torch import nn
 
 from vramplan import Recipe, UserError
+from vramplan.device.options import device_options
 from vramplan.measurement.run import measure_built
 from vramplan.optimizers import Adam8bitModel
 from vramplan.pipeline import trace_and_estimate
-from vramplan.result import Component
+from vramplan.result import Component, Phase
 from vramplan.sources import resolve
 from vramplan.sources.loss import liger_chunk_size
 from vramplan.sources.user_code import module_source
@@ -220,6 +224,88 @@ def test_measured_offload_moves_what_the_trace_moves_and_keeps_the_gradients():
         torch.allclose(a, b, rtol=0, atol=1e-6 * b.abs().max().item())
         for a, b in zip(offloaded, plain, strict=True)
     )
+
+
+def checkpointed_stack(blocks: int) -> nn.Module:
+    """``blocks`` linear layers, each run under non-reentrant checkpointing."""
+
+    class Stack(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(blocks))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for layer in self.layers:
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            return x
+
+    return Stack()
+
+
+@pytest.mark.parametrize("saves_empty", [False, True])
+def test_checkpointed_inputs_are_packed_as_the_emulated_pytorch_saves_them(saves_empty):
+    """A real CPU run of eight checkpointed blocks: each checkpoint packs its input, after
+    an empty tensor where PyTorch 2.1 to 2.11 is emulated (``_NoopSaveInputs`` saved
+    ``torch.empty((0,))`` first); torchtune's stash then keeps the card copies of the
+    inputs packed within its last 5 ids (5 inputs, or 3 with the empty tensors between),
+    and the gradients are those of a run without offloading."""
+    torch.manual_seed(0)
+    model, x = checkpointed_stack(8), torch.randn(16, 64, requires_grad=True)
+    offloader = Offloader(None, model, saves_empty=saves_empty)
+    packed = []
+    pack = offloader.pack
+    offloader.pack = lambda tensor: packed.append(tuple(tensor.shape)) or pack(tensor)
+    with offloader.forward():
+        out = model(x)
+    loss = out.square().sum()
+    inputs = [(16, 64)] * 8
+    assert packed == ([s for i in inputs for s in ((0,), i)] if saves_empty else inputs)
+    last = 3 if saves_empty else 5
+    assert len(offloader.forward_stash) == last
+    loss.backward()
+    offloaded = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    model(x).square().sum().backward()
+    assert all(torch.equal(a, p.grad) for a, p in zip(offloaded, model.parameters(), strict=True))
+
+
+def test_traced_block_inputs_leave_the_card_as_the_emulated_pytorch_packs_them(tmp_path):
+    """Traced with every block checkpointed and offloaded, a block's input (the previous
+    block's output) leaves the card once torchtune's stash has 5 newer ids: 5 blocks later
+    on PyTorch 2.12 and later, 3 blocks later on 2.11, whose checkpoints pack an empty
+    tensor before each input (what a lent H200 with torch 2.11 showed)."""
+    pytest.importorskip("transformers")
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({**TINY_LLAMA, "num_hidden_layers": 8}))
+    recipe = Recipe(
+        batch_size=4, seq_len=64, precision="bf16", checkpointing="full", activation_offload=True
+    )
+    hidden = recipe.batch_size * recipe.seq_len * TINY_LLAMA["hidden_size"] * 2
+
+    def blocks_later(stack: str) -> set[int]:
+        """How many blocks after its birth each block output dies in the first forward."""
+        built = resolve(f"hf:{config}", recipe)
+        built.repeat_blocks = False
+        _, trace = trace_and_estimate(built, recipe, "cuda", device_options(stack=stack))
+        end = next(m.index for m in trace.phases if m.phase == Phase.BACKWARD)
+        births = sorted(trace.allocations, key=lambda a: a.alloc_index)
+        starts = [a.alloc_index for a in births]
+
+        def block(index: int) -> int | None:
+            module = births[bisect.bisect_right(starts, index) - 1].module
+            found = re.match(r"model\.layers\.(\d+)\.", module + ".")
+            return int(found.group(1)) if found else None
+
+        later = set()
+        for a in births:
+            if a.nbytes == hidden and a.free_index is not None and a.free_index < end:
+                born, died = block(a.alloc_index), block(a.free_index)
+                if born is not None and died is not None and died > born:
+                    later.add(died - born)
+        return later
+
+    assert blocks_later("torch2.14-cu12.8") == {5}
+    assert blocks_later("torch2.11-cu12.8") == {3}
 
 
 # -- chunked and fused cross-entropy --------------------------------------------------------

@@ -129,6 +129,7 @@ def _policy(target: str, device: DeviceOptions) -> DevicePolicy:
         software.softmax_keeps_input,
         software.cudnn_dropout_steps,
         device.card.kernel_card,
+        software.checkpoint_saves_empty,
     )
 
 
@@ -149,6 +150,7 @@ def flop_counting_policy(device: DeviceOptions) -> DevicePolicy:
         software.zero_grad_frees,
         software.saves_every_operand,
         cudnn_dropout_steps=software.cudnn_dropout_steps,
+        checkpoint_saves_empty=software.checkpoint_saves_empty,
     )
 
 
@@ -169,6 +171,7 @@ def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any 
             "saves_every_operand",
             "softmax_keeps_input",
             "cudnn_dropout_steps",
+            "checkpoint_saves_empty",
         )
         kind = (type(policy), policy.name, *(vars(policy).get(rule) for rule in rules), engine)
         trace, note = repeat_built(

@@ -112,6 +112,25 @@ class Stack:
         rule = runtime_table()["softmax_saving"]
         return _version(self.torch) < _version(rule["input_dropped_from_torch"])
 
+    @property
+    def checkpoint_saves_empty(self) -> bool:
+        """Whether non-reentrant checkpointing saves an empty tensor before a checkpointed
+        call's tensor arguments (PyTorch 2.1 to 2.11: ``_NoopSaveInputs``), which saved-tensor
+        hooks see as one more tensor (``trace/tricks.Offloader`` numbers them).
+
+        >>> parse_stack("torch2.11-cu13.0").checkpoint_saves_empty
+        True
+        >>> parse_stack("torch2.12-cu13.0").checkpoint_saves_empty
+        False
+        """
+        rule = runtime_table()["checkpoint_input_saving"]
+        version = _version(self.torch)
+        return (
+            _version(rule["empty_tensor_from_torch"])
+            <= version
+            < _version(rule["empty_tensor_until_torch"])
+        )
+
 
 def older_than_traced(stack: Stack) -> bool:
     """Whether ``stack`` emulates a PyTorch older than the installed one, whose operators

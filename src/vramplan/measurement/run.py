@@ -264,24 +264,39 @@ def _measure_cpu(built: BuiltModel, recipe: Recipe, steps: int) -> Measurement:
     )
 
 
-def _fresh_allocator() -> None:
+def _fresh_allocator(model: torch.nn.Module | None) -> None:
     """Start from what a training process that loads its weights in the run's dtype has: no
     cached copies of the weights (building on the card and casting, a config's bf16 to fp32
     to the recipe's dtype, leaves each earlier copy cached: 3292 MiB on the H200's TinyLlama
     row), no cuBLAS workspaces of an earlier measurement in this process (cuBLAS keeps one
     allocated block per handle and stream until ``_cuda_clearCublasWorkspaces``), and the
-    peaks reset after both."""
+    peaks reset after both. A model built on the card is moved to the host and back first:
+    its weights then sit in the allocator's segments as a load in the run's dtype puts them,
+    one after another in module order, as the estimate's setup places them. The cast leaves
+    them in segments sized for the earlier copies otherwise (on the H200, Qwen2.5-0.5B's
+    bf16 weights in 18 MiB segments of fp32 weights and a 260 MiB segment holding 20 MiB),
+    and the step's blocks land elsewhere: replayed from the estimate's layout, that row's
+    recorded requests reserve 22774 MiB, from the cast's 18160."""
     gc.collect()
     torch._C._cuda_clearCublasWorkspaces()
+    if model is not None and _on_card(model):
+        model.to("cpu")
+        torch.cuda.empty_cache()
+        model.to("cuda")
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
+
+
+def _on_card(model: torch.nn.Module) -> bool:
+    """Whether any of ``model``'s weights or buffers is on a CUDA device."""
+    return any(t.is_cuda for t in (*model.parameters(), *model.buffers()))
 
 
 def _measure_cuda(
     built: BuiltModel, recipe: Recipe, steps: int, snapshot: str | None
 ) -> Measurement:
     torch.cuda.init()
-    _fresh_allocator()
+    _fresh_allocator(built.model)
     if snapshot:
         torch.cuda.memory._record_memory_history(max_entries=200_000)
     clock = _PhaseClock()

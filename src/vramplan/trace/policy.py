@@ -28,6 +28,9 @@ class DevicePolicy(Protocol):
     name: str
     frees_grads: bool
     """``zero_grad()``'s default: gradients set to None (PyTorch >= 2.0) or zeroed."""
+    checkpoint_saves_empty: bool
+    """Whether non-reentrant checkpointing saves an empty tensor before a call's arguments
+    (PyTorch 2.1 to 2.11) where the installed PyTorch does not."""
 
     def optimizer_defaults(self) -> dict: ...
 
@@ -66,6 +69,7 @@ class CpuPolicy:
 
     name = "cpu"
     frees_grads = True  # the installed PyTorch (>= 2.0)
+    checkpoint_saves_empty = False  # the installed PyTorch saves as it does
 
     def __init__(self) -> None:
         self._convolutions: dict[str, int] = {}
@@ -111,10 +115,12 @@ class CudaPolicy(CpuPolicy):
     foreach optimizers by default (``foreach``: PyTorch >= 2.0; a per-parameter loop before),
     the optimizer's ``step`` counters kept on the host; with ``saves_every_operand``
     (PyTorch before 1.1), autograd's old saving rule for mul/div (``legacy_saving.py``);
-    with ``softmax_keeps_input`` (before 1.11), softmax's (``legacy_softmax.py``).
-    ``arch`` names the GPU architecture, ``card`` what its kernels' launch configurations
-    read (the scratch reductions and fused attention take inside an op,
-    ``kernel_scratch.py``). One policy serves one traced run.
+    with ``softmax_keeps_input`` (before 1.11), softmax's (``legacy_softmax.py``); with
+    ``checkpoint_saves_empty`` (2.1 to 2.11), checkpointing's empty saved tensor, which
+    activation offloading numbers (``tricks.Offloader``). ``arch`` names the GPU
+    architecture, ``card`` what its kernels' launch configurations read (the scratch
+    reductions and fused attention take inside an op, ``kernel_scratch.py``). One policy
+    serves one traced run.
 
     ``F.scaled_dot_product_attention`` runs the kernel the GPU would pick (cuDNN, flash,
     memory-efficient or math; ``cuda_sdpa.py``), not the CPU's choice, LSTMs keep per-step
@@ -132,8 +138,10 @@ class CudaPolicy(CpuPolicy):
         softmax_keeps_input: bool = False,
         cudnn_dropout_steps: bool = True,
         card: Card | None = None,
+        checkpoint_saves_empty: bool = False,
     ) -> None:
         self.arch = arch
+        self.checkpoint_saves_empty = checkpoint_saves_empty
         self.scratch = KernelScratch(card or Card())
         self.cudnn_dropout_steps = cudnn_dropout_steps
         self.foreach = foreach
@@ -228,12 +236,14 @@ def policy_for(
     softmax_keeps_input: bool = False,
     cudnn_dropout_steps: bool = True,
     card: Card | None = None,
+    checkpoint_saves_empty: bool = False,
 ) -> DevicePolicy:
     """The policy for a target device name: ``cuda`` (default, of GPU ``arch``; ``foreach``
     the emulated PyTorch's default optimizer implementation there, ``frees_grads`` its
     ``zero_grad()`` default, ``saves_every_operand`` its autograd saving rule for mul/div,
     ``softmax_keeps_input`` its rule for softmax, ``cudnn_dropout_steps`` its SDPA rule for
-    dropout on cuDNN, ``card`` what its kernels' launches read) or ``cpu``."""
+    dropout on cuDNN, ``card`` what its kernels' launches read, ``checkpoint_saves_empty``
+    its checkpointing's saved inputs) or ``cpu``."""
     if target == "cpu":
         return CpuPolicy()
     return CudaPolicy(
@@ -244,4 +254,5 @@ def policy_for(
         softmax_keeps_input,
         cudnn_dropout_steps,
         card,
+        checkpoint_saves_empty,
     )

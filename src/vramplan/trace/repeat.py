@@ -1159,10 +1159,11 @@ def _stash_reason(recipe: Recipe) -> str:
     The offloader keeps the card copy of the last ``FORWARD_STASH`` offloaded saved tensors
     while the side stream copies them (``tricks.Offloader.pack``). A checkpointed block
     saves its inputs through it (``torch.utils.checkpoint``'s ``save_inputs``: the block's
-    own saved tensors go to checkpoint's hooks), at least one tensor, so a block's input
-    dies up to ``FORWARD_STASH`` blocks later. Traces of fewer blocks than that (the 2-, 3-
-    and 4-block ones) see every input die after the last block, a deeper model sees them
-    die in the blocks: the pattern holds for the short traces and not for the model.
+    own saved tensors go to checkpoint's hooks), at least one tensor (PyTorch 2.1 to 2.11
+    an empty one first), so a block's input dies up to ``FORWARD_STASH`` blocks later.
+    Traces of fewer blocks than that (the 2-, 3- and 4-block ones) see every input die
+    after the last block, a deeper model sees them die in the blocks: the pattern holds for
+    the short traces and not for the model.
     ``_stash_units`` repeats units of ``FORWARD_STASH`` blocks instead.
     """
     if not (recipe.activation_offload and recipe.checkpointing != "none"):
@@ -1171,8 +1172,8 @@ def _stash_reason(recipe: Recipe) -> str:
         return ""
     return (
         f"with --activation-offload the last {tricks.FORWARD_STASH} offloaded saved tensors "
-        f"stay on the card; a checkpointed block saves one, so each block's input dies "
-        f"{tricks.FORWARD_STASH} blocks later, deeper than the short traces reach"
+        f"stay on the card; a checkpointed block saves one or more, so each block's input "
+        f"dies up to {tricks.FORWARD_STASH} blocks later, deeper than the short traces reach"
     )
 
 

@@ -234,11 +234,12 @@ def _forward_context(
     ``--activation-offload`` torchtune's saved-tensor offloading (``trace/tricks.py``)."""
     if not (recipe.activation_offload and recipe.is_training):
         return lambda: policy.autocast(recipe)
-    offloader = Offloader(session.recorder, model)
+    offloader = Offloader(session.recorder, model, policy.checkpoint_saves_empty)
     session.notes.append(
         "activation offloading (torchtune's OffloadActivations, streams on): saved tensors "
         f"of {MIN_OFFLOAD_BYTES}+ bytes copied to host memory in forward, back in backward; "
         "the output head and the loss stay on the card; host copies reported as host RAM"
+        + _empty_saves_note(policy, recipe)
     )
 
     @contextlib.contextmanager
@@ -247,6 +248,16 @@ def _forward_context(
             yield
 
     return both
+
+
+def _empty_saves_note(policy: DevicePolicy, recipe: Recipe) -> str:
+    """What the emulated PyTorch's checkpointing adds to the offloader's count, if anything."""
+    if not (policy.checkpoint_saves_empty and recipe.checkpointing != "none"):
+        return ""
+    return (
+        "; each checkpoint saves an empty tensor before its inputs (PyTorch 2.1 to 2.11), "
+        "which the offloader's stash of 5 counts"
+    )
 
 
 def trace_training(

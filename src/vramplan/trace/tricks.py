@@ -29,11 +29,13 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.utils.checkpoint as checkpoint_module
 from torch import nn
 
 from vramplan.optimizers import DEFAULT_LR, build_optimizer
 from vramplan.result import Component, Phase
 from vramplan.trace.events import Trace
+from vramplan.trace.patching import patched
 from vramplan.trace.recorder import AllocationRecorder
 
 MIN_OFFLOAD_BYTES = 1024
@@ -124,8 +126,11 @@ class Offloader:
     a recorder (a measured run) the copies are real: pinned host memory out, the device
     back, each copy synchronous where torchtune's side stream overlaps it."""
 
-    def __init__(self, recorder: AllocationRecorder | None, model: nn.Module) -> None:
+    def __init__(
+        self, recorder: AllocationRecorder | None, model: nn.Module, saves_empty: bool = False
+    ) -> None:
         self.recorder = recorder
+        self.saves_empty = saves_empty and _SAVES_INPUTS is not None
         self.tracker: dict[int, tuple[torch.Tensor, bool]] = {}
         self.forward_stash: dict[int, torch.Tensor] = {}
         self.backward_stash: dict[int, torch.Tensor] = {}
@@ -204,7 +209,41 @@ class Offloader:
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        """Offload the saved tensors of the forward pass run inside."""
+        """Offload the saved tensors of the forward pass run inside; with ``saves_empty``,
+        each non-reentrant checkpoint first saves an empty tensor, as PyTorch 2.1 to 2.11
+        does (``_saving_empty_first``)."""
         self.paused = False
-        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+        empty_first = _saving_empty_first() if self.saves_empty else contextlib.nullcontext()
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack), empty_first:
             yield
+
+
+_SAVES_INPUTS = getattr(checkpoint_module._CheckpointFrame, "save_inputs", None)
+"""How the installed PyTorch (2.12 and later) saves a checkpointed call's tensor arguments,
+one saved tensor each; None where it saves an empty tensor first itself (2.1 to 2.11)."""
+
+
+class _SaveEmpty(torch.autograd.Function):
+    """What PyTorch 2.1 to 2.11's ``_NoopSaveInputs`` saves before a checkpointed call's
+    tensor arguments: ``torch.empty((0,), requires_grad=True)``, through the saved-tensor
+    hooks then active."""
+
+    @staticmethod
+    def forward(ctx, empty: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(empty)
+        return torch.empty((0,))
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> None:
+        raise AssertionError("the empty tensor's node has no backward")
+
+
+def _saving_empty_first() -> contextlib.AbstractContextManager:
+    """Checkpointing as PyTorch 2.1 to 2.11 saves its inputs: an empty tensor, then the
+    tensor arguments; the empty one's node lives as long as the checkpoint's frame."""
+
+    def save_inputs(frame, *args) -> None:
+        frame.empty_saver = _SaveEmpty.apply(torch.empty((0,), requires_grad=True))
+        _SAVES_INPUTS(frame, *args)
+
+    return patched([(checkpoint_module._CheckpointFrame, "save_inputs", save_inputs)])
