@@ -12,15 +12,23 @@ first (``torch.cuda.empty_cache()`` before the step)::
     PYTHONPATH=src python benchmarks/snapshot_replay.py tinyllama.pickle.gz
 
 The history must be complete (``max_entries`` larger than the trace) for the start state
-to be right.
+to be right. With ``--row`` (the measured row's JSON, ``vramplan measure --json``) and the
+card and stack it ran on, the same requests are also replayed from the state the
+estimate's setup leaves (its weights allocated in order, nothing else cached): what the
+step reserves when only the start state differs::
+
+    PYTHONPATH=src python benchmarks/snapshot_replay.py snapshots/qwen.pickle.gz \
+        --row rows/qwen.json --gpu h200 --stack torch2.11-cu13.0
 """
 
 from __future__ import annotations
 
 import argparse
 import gzip
+import json
 import pickle
 from dataclasses import dataclass
+from pathlib import Path
 
 from vramplan.device.allocator import (
     AllocatorConfig,
@@ -29,6 +37,12 @@ from vramplan.device.allocator import (
     Segment,
     round_size,
 )
+from vramplan.device.options import device_options
+from vramplan.device.replay import device_trace, requests_of
+from vramplan.pipeline import trace_and_estimate
+from vramplan.recipe import Recipe
+from vramplan.result import Component, Phase
+from vramplan.sources import resolve
 
 MIB = 2**20
 
@@ -130,11 +144,59 @@ def replay_snapshot(snapshot: dict, release_cached: bool = False) -> SnapshotRep
     )
 
 
+def estimate_setup(row_path: str, gpu: str, stack: str) -> tuple[CachingAllocator, int]:
+    """The allocator as the estimate of a measured row leaves it once its weights are
+    placed (the setup's parameters and buffers; the batch the recorded run makes itself),
+    and the estimate's reserved peak."""
+    row = json.loads(Path(row_path).read_text())["estimate"]
+    fields = {k: v for k, v in row["recipe"].items() if v is not None}
+    if fields.get("input_shape"):
+        fields["input_shape"] = tuple(fields["input_shape"])
+    recipe = Recipe(**fields)
+    options = device_options(gpu=gpu, stack=stack)
+    built = resolve(row["model"]["name"], recipe)
+    estimate, trace = trace_and_estimate(built, recipe, "cuda", options)
+    on_device = device_trace(trace, options.card, options.cudnn_benchmark, "central")
+    kinds = {a.id: (a.phase, a.category) for a in on_device.trace.allocations}
+    sim, live = CachingAllocator(AllocatorConfig()), {}
+    for request in requests_of(on_device):
+        phase, category = kinds.get(request.key, (None, None))
+        if request.is_alloc and phase != Phase.SETUP:
+            break
+        if request.is_alloc and category in (Component.PARAMETERS, Component.BUFFERS):
+            live[request.key] = sim.malloc(request.size, request.stream)
+        elif request.key in live:
+            sim.free(live.pop(request.key))
+    return sim, estimate.peak.reserved_bytes
+
+
+def replay_from(sim: CachingAllocator, snapshot: dict) -> int:
+    """The reserved peak of the snapshot's requests replayed on ``sim`` as it stands."""
+    blocks: dict[int, Block] = {}
+    for event in snapshot["device_traces"][0]:
+        if event["action"] == "alloc":
+            blocks[event["addr"]] = sim.malloc(event["size"], 0)
+        elif event["action"] == "free_completed" and event["addr"] in blocks:
+            sim.free(blocks.pop(event["addr"]))
+    return sim.stats.peak_reserved
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("snapshot", help="a pickled torch.cuda.memory._snapshot() (.gz too)")
+    parser.add_argument("--row", help="the measured row's JSON: replay from its estimate's setup")
+    parser.add_argument("--gpu", default="h200")
+    parser.add_argument("--stack")
     args = parser.parse_args()
     snapshot = load(args.snapshot)
+    if args.row:
+        sim, estimated = estimate_setup(args.row, args.gpu, args.stack)
+        start = sim.stats.reserved
+        peak = replay_from(sim, snapshot)
+        print(
+            f"{'from the estimate setup':24s} start {start / MIB:8.0f} MiB  peak reserved "
+            f"{peak / MIB:8.0f}  (the estimate's: {estimated / MIB:.0f})"
+        )
     for release in (False, True):
         r = replay_snapshot(snapshot, release)
         label = "cache released at start" if release else "as recorded"
