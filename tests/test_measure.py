@@ -168,7 +168,7 @@ def test_cuda_measurement_starts_after_the_cast_copies_are_released(monkeypatch,
         monkeypatch.setattr(torch.cuda, name, lambda *_, name=name: calls.append(name))
     clear = "_cuda_clearCublasWorkspaces"
     monkeypatch.setattr(torch._C, clear, lambda: calls.append(clear), raising=False)
-    monkeypatch.setattr(run, "_on_card", lambda model: on_card)
+    monkeypatch.setattr(run, "_parked_on_host", lambda model: on_card)
 
     class Model(torch.nn.Linear):
         def to(self, device):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import resource
 import time
 from dataclasses import dataclass, field
@@ -270,16 +271,17 @@ def _fresh_allocator(model: torch.nn.Module | None) -> None:
     to the recipe's dtype, leaves each earlier copy cached: 3292 MiB on the H200's TinyLlama
     row), no cuBLAS workspaces of an earlier measurement in this process (cuBLAS keeps one
     allocated block per handle and stream until ``_cuda_clearCublasWorkspaces``), and the
-    peaks reset after both. A model built on the card is moved to the host and back first:
-    its weights then sit in the allocator's segments as a load in the run's dtype puts them,
-    one after another in module order, as the estimate's setup places them. The cast leaves
+    peaks reset after both. A model built on the card is moved to the host and back first
+    (``_parked_on_host``): its weights then sit in the allocator's segments as a load in the
+    run's dtype puts them, one after another in module order, as the estimate's setup
+    places them. The cast leaves
     them in segments sized for the earlier copies otherwise (on the H200, Qwen2.5-0.5B's
     bf16 weights in 18 MiB segments of fp32 weights and a 260 MiB segment holding 20 MiB),
     and the step's blocks land elsewhere: replayed from the estimate's layout, that row's
     recorded requests reserve 22774 MiB, from the cast's 18160."""
     gc.collect()
     torch._C._cuda_clearCublasWorkspaces()
-    if model is not None and _on_card(model):
+    if model is not None and _parked_on_host(model):
         model.to("cpu")
         torch.cuda.empty_cache()
         model.to("cuda")
@@ -287,9 +289,14 @@ def _fresh_allocator(model: torch.nn.Module | None) -> None:
     torch.cuda.reset_peak_memory_stats()
 
 
-def _on_card(model: torch.nn.Module) -> bool:
-    """Whether any of ``model``'s weights or buffers is on a CUDA device."""
-    return any(t.is_cuda for t in (*model.parameters(), *model.buffers()))
+def _parked_on_host(model: torch.nn.Module) -> bool:
+    """Whether ``model`` has weights or buffers on a CUDA device and the host has them all
+    twice over in free memory, so that ``_fresh_allocator`` may park them there."""
+    tensors = [*model.parameters(), *model.buffers()]
+    if not any(t.is_cuda for t in tensors):
+        return False
+    needed = sum(t.nbytes for t in {id(t): t for t in tensors}.values())
+    return needed < os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 2
 
 
 def _measure_cuda(
