@@ -233,6 +233,40 @@ def test_both_cublas_workspaces_reach_the_allocator_in_each_phase():
         assert ("cublaslt_workspace", cublaslt_workspace_bytes(gpu), phase) in seen
 
 
+def test_a_convolution_backward_runs_each_pass_after_the_gradient_it_writes():
+    """PyTorch's cuDNN backward (``cudnn_convolution_backward``) allocates the input's
+    gradient and runs the data pass (its workspace allocated and freed), then allocates the
+    weight's gradient and runs the filter pass: the order an H200 snapshot of Faster
+    R-CNN's training step recorded for every such call. The meta kernel returns both
+    gradients at once; the device trace slots each pass's workspace after its own."""
+    import torch
+    from torch import nn
+
+    from vramplan.device.replay import WORKSPACE, device_trace
+    from vramplan.recipe import Recipe
+    from vramplan.sources.user_code import module_source
+    from vramplan.trace.policy import CudaPolicy
+    from vramplan.trace.step import trace_training
+
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Conv2d(3, 16, 3), nn.ReLU(), nn.Conv2d(16, 16, 3))
+    recipe = Recipe(batch_size=4, input_shape=(3, 32, 32), optimizer="sgd")
+    trace = trace_training(module_source(model, recipe, "convs"), recipe, CudaPolicy())
+    on_device = device_trace(trace, lookup_gpu("h100"), cudnn_benchmark=False)
+    backward = [
+        (e.allocation.op, e.allocation.nbytes)
+        for e in on_device.trace.events()
+        if e.is_alloc and e.allocation.phase == "backward" and e.allocation.iteration == 1
+    ]
+    grad_input, grad_weight = 4 * 16 * 30 * 30 * 4, 16 * 16 * 3 * 3 * 4
+    calls = [i for i, (op, _) in enumerate(backward) if op == "convolution_backward"]
+    first = calls[0]  # the second convolution's backward: both gradients
+    assert backward[first] == ("convolution_backward", grad_input)
+    assert backward[first + 1][0] == WORKSPACE  # the data pass
+    assert backward[first + 2] == ("convolution_backward", grad_weight)
+    assert backward[first + 3][0] == WORKSPACE  # the filter pass
+
+
 def test_cublas_workspaces_follow_the_first_matmul_output():
     """The workspaces are created by the first cuBLAS call of the phase, after its output
     (``getCurrentCUDABlasHandle`` in the op's kernel), not where the phase begins: ops

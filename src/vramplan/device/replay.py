@@ -176,9 +176,13 @@ def device_trace(
     empties: set[int] = set()
     workspaces: dict[ConvCase, Workspace] = {}
     for marker in trace.markers:
-        slot = marker.index * SPREAD + 1
+        slot = 0
         iteration = trace.phase_at(marker.index).iteration
-        for case in cases_of(marker):
+        lags = marker.pass_lags or (0,) * len(marker.passes)
+        for case, lag in zip(cases_of(marker), lags, strict=True):
+            # after the gradient this pass writes (``OpMarker.pass_lags``), after the
+            # previous pass's slots where both follow the same event
+            slot = max(slot, (marker.index - lag) * SPREAD + 1)
             if case not in workspaces:
                 workspace = conv_workspace(case, cudnn_benchmark, measured, gpu.family)
                 if cudnn_benchmark:  # the search: time candidates, then emptyCache()

@@ -54,6 +54,11 @@ class OpMarker:
     memory_format: str = "contiguous"
     passes: tuple[str, ...] = ()
     """``forward``, or the ``backward_data`` / ``backward_filter`` passes a backward runs."""
+    pass_lags: tuple[int, ...] = ()
+    """For each pass, how many events before ``index`` it runs: after the allocation of the
+    tensor it writes (PyTorch's cuDNN backward allocates the input's gradient, runs the
+    data pass, then allocates the weight's gradient and runs the filter pass); empty, all
+    at ``index``."""
 
 
 SCRATCH_OPS = frozenset((*REDUCTIONS, *ATTENTION_KERNELS))
@@ -356,6 +361,7 @@ class AllocationRecorder(TorchDispatchMode):
         if func is _DEVICE_QUERY and isinstance(args[0], FakeTensor):
             return args[0].device  # FakeTensorMode's answer, without its dispatch
         kwargs = kwargs or {}
+        before = self.event_count
         out = func(*args, **kwargs)
         if self.counter is not None:
             self.counter.count(func, args, kwargs, out)
@@ -379,6 +385,7 @@ class AllocationRecorder(TorchDispatchMode):
             sizes = self.scratch.sizes(name, func, args, kwargs)
             self.note_scratch((nbytes, f"{name}:scratch") for nbytes in sizes)
         if convolution:  # cuDNN: a workspace marker
+            fields = conv_fields(func, args, kwargs, out)
             self.markers.append(
                 OpMarker(
                     self.event_count - 1,
@@ -386,10 +393,24 @@ class AllocationRecorder(TorchDispatchMode):
                     name,
                     _tensor_bytes((args, kwargs)),
                     _tensor_bytes(out),
-                    **conv_fields(func, args, kwargs, out),
+                    **fields,
+                    pass_lags=self._pass_lags(fields.get("passes", ()), out, before),
                 )
             )
         return out
+
+    def _pass_lags(self, passes: tuple[str, ...], out, before: int) -> tuple[int, ...]:
+        """``OpMarker.pass_lags`` of a convolution whose events began at ``before``: each
+        backward pass after the allocation of the gradient it writes, where this op made it."""
+        written = {"backward_data": 0, "backward_filter": 1}
+        lags = []
+        for name in passes:
+            index = written.get(name)
+            tensor = out[index] if index is not None and isinstance(out, tuple) else None
+            record = self.record_for(tensor) if isinstance(tensor, torch.Tensor) else None
+            made_here = record is not None and record.alloc_index >= before
+            lags.append(self.event_count - 1 - record.alloc_index if made_here else 0)
+        return tuple(lags)
 
 
 _OP_FACTS: dict[Any, tuple[str, bool]] = {}
