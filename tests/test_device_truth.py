@@ -4,6 +4,7 @@ replacing the model, the [low, high] range the verdict reads, and the driver res
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from torch import nn
@@ -585,3 +586,22 @@ def test_cudnn_rnn_and_cudnn_attention_load_cudnn_kernels_as_the_h200_measured(n
     measured = result["measured_device_total"] - result["measured_reserved"]
     estimated = result["estimate_device_total"] - result["estimate_reserved"]
     assert measured <= estimated <= measured + 8 * MiB, (measured, estimated)
+
+
+def test_a_transposed_convolution_asks_for_its_own_output_in_the_layout_copies():
+    """A transposed convolution's output grows with the stride: Mask R-CNN's mask head
+    (ConvTranspose2d 256 -> 256, 2 x 2, stride 2) over 800 RoIs of 14 x 14 writes 28 x 28
+    maps, and on the H200 its cuDNN call asked for 803,864,723 bytes
+    (``gpu-nvidia-h200-2026-11-30/snapshots/maskrcnn-infer-b8``): the NCHW <-> NHWC
+    copies of its input, that output and the filter, to 147 bytes. Read as a strided
+    convolution (7 x 7 outputs), the model had said a quarter of it."""
+    from vramplan.device.cudnn import layout_transform
+
+    case = ConvCase("forward", "float32", "contiguous", (800, 256, 14, 14), (256, 256, 2, 2),
+                    (2, 2), (0, 0), (1, 1), 1, transposed=True)  # fmt: skip
+    assert case.output_spatial == (28, 28)
+    copies = (800 * 256 * 14 * 14 + 800 * 256 * 28 * 28 + 256 * 256 * 2 * 2) * 4
+    assert layout_transform(case) == copies
+    assert 0 <= 803_864_723 - engine_workspace(case, family="Hopper").central < 1024
+    narrower = replace(case, weight=(256, 64, 2, 2), output_padding=(1, 1))
+    assert narrower.output_channels == 64 and narrower.output_spatial == (29, 29)

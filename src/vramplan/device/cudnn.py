@@ -50,17 +50,30 @@ class ConvCase:
     dilation: tuple[int, ...]
     groups: int
     transposed: bool = False
+    output_padding: tuple[int, ...] = ()
+    """A transposed convolution's extra output rows and columns (none for others)."""
 
     @property
     def output_spatial(self) -> tuple[int, ...]:
+        """The output's spatial sizes; a transposed convolution's grow with the stride.
+
+        >>> ConvCase("forward", "float32", "contiguous", (8, 256, 14, 14), (256, 128, 2, 2),
+        ...          (2, 2), (0, 0), (1, 1), 1, transposed=True).output_spatial
+        (28, 28)
+        """
         spatial = self.input[2:]
         kernel = self.weight[2:]
-        return tuple(
-            (h + 2 * p - d * (r - 1) - 1) // s + 1
-            for h, r, s, p, d in zip(
-                spatial, kernel, self.stride, self.padding, self.dilation, strict=False
-            )
-        )
+        extra = self.output_padding or (0,) * len(spatial)
+        rows = zip(spatial, kernel, self.stride, self.padding, self.dilation, extra, strict=False)
+        if self.transposed:
+            return tuple((h - 1) * s - 2 * p + d * (r - 1) + e + 1 for h, r, s, p, d, e in rows)
+        return tuple((h + 2 * p - d * (r - 1) - 1) // s + 1 for h, r, s, p, d, _ in rows)
+
+    @property
+    def output_channels(self) -> int:
+        """The output's channels: the weight's first dimension, or for a transposed
+        convolution its second times the groups."""
+        return self.weight[1] * self.groups if self.transposed else self.weight[0]
 
 
 @dataclass(frozen=True)
@@ -105,6 +118,7 @@ def cases_of(marker) -> list[ConvCase]:
             tuple(marker.dilation),
             marker.groups,
             marker.transposed,
+            tuple(marker.output_padding),
         )
         for pass_ in marker.passes
     ]
@@ -119,7 +133,7 @@ def _fft_bytes(case: ConvCase, element: int) -> int:
     half-spectrum (cuFFT R2C); whole-image FFT up to 256 per side, 32x32 tiles
     (FFT_TILING) above that."""
     n, c = case.input[:2]
-    k = case.weight[0]
+    k = case.output_channels
     kernel = case.weight[2:]
     padded = [h + 2 * p for h, p in zip(case.input[2:], case.padding, strict=False)]
     if max(padded, default=0) <= 256:
@@ -187,14 +201,14 @@ def layout_transform(case: ConvCase) -> int:
         return 0
     n, c = case.input[:2]
     x = n * c * math.prod(case.input[2:])
-    y = n * case.weight[0] * math.prod(case.output_spatial)
+    y = n * case.output_channels * math.prod(case.output_spatial)
     return (x + y + math.prod(case.weight)) * element
 
 
 def _engine_model(case: ConvCase, engines: dict) -> Workspace:
     element = _ELEMENT.get(case.dtype, 4)
     n, c = case.input[:2]
-    k = case.weight[0]
+    k = case.output_channels
     kernel = case.weight[2:]
     out = case.output_spatial
     x = n * c * math.prod(case.input[2:]) * element

@@ -50,6 +50,7 @@ class OpMarker:
     dilation: tuple[int, ...] = ()
     groups: int = 1
     transposed: bool = False
+    output_padding: tuple[int, ...] = ()
     dtype: str = ""
     memory_format: str = "contiguous"
     passes: tuple[str, ...] = ()
@@ -96,6 +97,7 @@ def conv_fields(func, args, kwargs, out) -> dict:
     else:
         passes = ("forward",)
         y = out if isinstance(out, torch.Tensor) else None
+    transposed = bool(bound.get("transposed", False))
     channels_last = (
         x.dim() == 4
         and x.is_contiguous(memory_format=torch.channels_last)
@@ -109,7 +111,8 @@ def conv_fields(func, args, kwargs, out) -> dict:
         "padding": _ints(bound.get("padding")),
         "dilation": _ints(bound.get("dilation")),
         "groups": int(bound.get("groups") or 1),
-        "transposed": bool(bound.get("transposed", False)),
+        "transposed": transposed,
+        "output_padding": _ints(bound.get("output_padding")) if transposed else (),
         "dtype": str(x.dtype).removeprefix("torch."),
         "memory_format": "channels_last" if channels_last else "contiguous",
         "passes": passes,
