@@ -30,12 +30,24 @@ head dim to 32) and, under grouped-query attention, dk/dv expanded to every quer
     >>> attention_scratch("flash", q, kv, kv, 2)
     (458752, 29360128, 14680064, 14680064)
 
+**Strided inputs made contiguous**: ``topk``'s kernel (``launch_gather_topk_kernel``)
+starts with ``auto input = self.contiguous()``, so a strided input (a split of the RPN's
+objectness, one slice of the anchors of every image) costs a dense copy for the call::
+
+    >>> import torch
+    >>> with torch.device("meta"):
+    ...     objectness = torch.empty(2, 242991)
+    >>> level = objectness[:, :201600]   # what ``objectness.split(...)`` hands ``topk``
+    >>> KernelScratch(Card()).sizes("topk", torch.ops.aten.topk.default, (level, 2000), {})
+    (1612800,)
+
 Every figure above is what a lent H200 (torch 2.11, CUDA 13.0, cuDNN 9.19) allocated
 (``benchmarks/results/gpu-nvidia-h200-2026-11-30``: ``reduce_workspace.json``,
 ``sdpa_workspace.json``, from ``python -m benchmarks.gpu_harvest.reduce_workspace`` and
-``.sdpa_workspace``). The launch configuration reads the card's multiprocessor count and
-threads per multiprocessor; ROCm builds use 64-lane wavefronts, at least 64 blocks per
-split output and 128 values per thread.
+``.sdpa_workspace``); the copy is the 1.54 MiB request its snapshots of Faster R-CNN's
+step show at ``rpn.py:237`` (6.15 MiB at batch 8). The launch configuration reads the
+card's multiprocessor count and threads per multiprocessor; ROCm builds use 64-lane
+wavefronts, at least 64 blocks per split output and 128 values per thread.
 """
 
 from __future__ import annotations
@@ -56,6 +68,8 @@ ATTENTION_KERNELS = {
 CUDNN_PAD = 256  # every measured cuDNN SDPA backward workspace held 256 bytes beyond its terms
 WELFORD = ("var_mean", "var", "std", "std_mean")
 REDUCTIONS = ("sum", "mean", "amax", "amin", "linalg_vector_norm", *WELFORD)
+CONTIGUOUS_FIRST = ("topk",)
+"""Ops whose CUDA kernel copies a strided input to a contiguous one before it runs."""
 
 
 @dataclass(frozen=True)
@@ -232,11 +246,15 @@ class KernelScratch:
                 tuple(v.shape),
                 q.element_size(),
             )
-        if name not in REDUCTIONS:
+        if name not in REDUCTIONS and name not in CONTIGUOUS_FIRST:
             return ()
         import torch  # here: the catalog, read by commands that never import torch, holds a Card
 
         x = args[0] if args else kwargs.get("self")
+        if name in CONTIGUOUS_FIRST:
+            if not isinstance(x, torch.Tensor) or x.is_contiguous():
+                return ()
+            return (x.numel() * x.element_size(),)
         if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.numel() >= 2**31:
             return ()
         dims = _dims(func, args, kwargs)

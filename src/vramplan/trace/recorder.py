@@ -28,7 +28,7 @@ from vramplan.result import Phase
 from vramplan.trace.accumulation import ADD, accumulates
 from vramplan.trace.arguments import bound_arguments
 from vramplan.trace.events import PhaseMark
-from vramplan.trace.kernel_scratch import ATTENTION_KERNELS, REDUCTIONS
+from vramplan.trace.kernel_scratch import ATTENTION_KERNELS, CONTIGUOUS_FIRST, REDUCTIONS
 from vramplan.trace.modules import ModuleStack
 
 
@@ -62,7 +62,7 @@ class OpMarker:
     at ``index``."""
 
 
-SCRATCH_OPS = frozenset((*REDUCTIONS, *ATTENTION_KERNELS))
+SCRATCH_OPS = frozenset((*REDUCTIONS, *ATTENTION_KERNELS, *CONTIGUOUS_FIRST))
 """The ops whose CUDA kernels take scratch of their own (``kernel_scratch.py``)."""
 _DEVICE_QUERY = torch.ops.prim.device.default
 """``tensor.device`` on a fake tensor: a metadata query, dispatched like an op but run by
