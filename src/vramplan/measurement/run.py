@@ -274,11 +274,11 @@ def _fresh_allocator(model: torch.nn.Module | None) -> None:
     peaks reset after both. A model built on the card is moved to the host and back first
     (``_parked_on_host``): its weights then sit in the allocator's segments as a load in the
     run's dtype puts them, one after another in module order, as the estimate's setup
-    places them. The cast leaves
-    them in segments sized for the earlier copies otherwise (on the H200, Qwen2.5-0.5B's
-    bf16 weights in 18 MiB segments of fp32 weights and a 260 MiB segment holding 20 MiB),
-    and the step's blocks land elsewhere: replayed from the estimate's layout, that row's
-    recorded requests reserve 22774 MiB, from the cast's 18160."""
+    places them. The cast leaves them in segments sized for the earlier copies otherwise
+    (on the H200, Qwen2.5-0.5B's bf16 weights in 18 MiB segments of fp32 weights and a
+    260 MiB segment holding 20 MiB), and the step's blocks land elsewhere: replayed from
+    the estimate's layout, that row's recorded requests reserve 22774 MiB, from the cast's
+    18160."""
     gc.collect()
     torch._C._cuda_clearCublasWorkspaces()
     if model is not None and _parked_on_host(model):

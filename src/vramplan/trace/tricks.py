@@ -218,7 +218,7 @@ class Offloader:
             yield
 
 
-_SAVES_INPUTS = getattr(checkpoint_module._CheckpointFrame, "save_inputs", None)
+_SAVES_INPUTS = getattr(getattr(checkpoint_module, "_CheckpointFrame", None), "save_inputs", None)
 """How the installed PyTorch (2.12 and later) saves a checkpointed call's tensor arguments,
 one saved tensor each; None where it saves an empty tensor first itself (2.1 to 2.11)."""
 
