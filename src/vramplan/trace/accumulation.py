@@ -27,6 +27,7 @@ import torch
 from torch._prims_common import is_non_overlapping_and_dense_or_false
 
 ADD = torch.ops.aten.add.Tensor
+INDEX_PUT = torch.ops.aten.index_put.default
 
 
 def graph_nodes(root) -> Iterator:
@@ -68,3 +69,18 @@ def accumulates(out, a, b) -> bool:
         and not a._is_view()
         and is_non_overlapping_and_dense_or_false(a)
     )
+
+
+def index_backward_put(args: tuple, kwargs: dict) -> bool:
+    """Whether an out-of-place ``index_put`` is ``index``'s backward scattering the gradient
+    into its zeros: autograd's ``index_backward`` takes that path only for tensor
+    subclasses (fake tensors among them) and ``_index_put_impl_`` in place into the zeros
+    on real tensors (``torch/csrc/autograd/FunctionsManual.cpp``), so the result is the
+    zeros' storage, which dies as ``index_backward`` returns.
+
+    >>> index_backward_put((torch.zeros(3), [torch.tensor([0])], torch.ones(1), True), {})
+    False
+    """
+    accumulate = args[3] if len(args) > 3 else kwargs.get("accumulate", False)
+    node = torch._C._current_autograd_node()
+    return bool(accumulate) and type(node).__name__ == "IndexBackward0"

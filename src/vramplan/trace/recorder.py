@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 from vramplan.collector import resume
 from vramplan.ops import Library, library_of
 from vramplan.result import Phase
-from vramplan.trace.accumulation import ADD, accumulates
+from vramplan.trace.accumulation import ADD, INDEX_PUT, accumulates, index_backward_put
 from vramplan.trace.arguments import bound_arguments
 from vramplan.trace.events import PhaseMark
 from vramplan.trace.kernel_scratch import ATTENTION_KERNELS, CONTIGUOUS_FIRST, REDUCTIONS
@@ -349,6 +349,13 @@ class AllocationRecorder(TorchDispatchMode):
         """``accumulation.backward_in_place``'s switch."""
         self.accumulating = accumulating
 
+    def _sums_into(self, out: torch.Tensor, operand: torch.Tensor) -> None:
+        """Expect ``out`` to have been made in ``operand``'s storage, as the op runs in place
+        on real tensors: so written where ``operand`` dies before the next op."""
+        total, first = self.record_for(out), self.record_for(operand)
+        if total is not None and first is not None and total.nbytes == first.nbytes:
+            self.summing = (total, first)
+
     def _continue(self, total: StorageRecord, operand: StorageRecord) -> None:
         """The sum was made in the operand's storage: the operand lives on as the sum
         (its bytes, its tags to come, its death when the sum's storage dies); the sum's own
@@ -379,11 +386,11 @@ class AllocationRecorder(TorchDispatchMode):
         self.summing = None
         if self.accumulating:  # the engine sums a node's gradients before anything else
             if func is ADD and accumulates(out, *args[:2]):
-                total, operand = self.record_for(out), self.record_for(args[0])
-                if total is not None and operand is not None and total.nbytes == operand.nbytes:
-                    self.summing = (total, operand)
+                self._sums_into(out, args[0])
             else:
                 self.accumulating = False
+        elif func is INDEX_PUT and index_backward_put(args, kwargs):
+            self._sums_into(out, args[0])  # in place into index's zeros on real tensors
         if self.scratch is not None and name in SCRATCH_OPS:
             sizes = self.scratch.sizes(name, func, args, kwargs)
             self.note_scratch((nbytes, f"{name}:scratch") for nbytes in sizes)
