@@ -78,3 +78,19 @@ def test_plan_bench_reads_flops_off_the_steps_own_trace(llama):
     assert separate.estimate(recipe) == estimate
     assert separate.flops(recipe) == flops == shared.run(recipe)[1].op_counts[FLOPS_KEY]
     assert separate.traces == 2
+
+
+@pytest.mark.parametrize("stack", ["torch2.11-cu13.0", "torch1.10-cu11.3"])
+def test_the_counting_policy_traces_under_the_estimates_rules(stack):
+    """The planner traces its steps with the counting policy; it keeps every rule of the
+    estimate's (the stack's saving rules, the card its kernels' scratch is sized for), so
+    a plan's figures are the estimate's."""
+    from vramplan.pipeline import cuda_policy
+
+    device = device_options(gpu="l4", stack=stack)
+    counting, plain = vars(flop_counting_policy(device)), vars(cuda_policy(device))
+    assert counting.pop("counter") is not None
+    assert counting["scratch"].card == plain["scratch"].card
+    assert {k: v for k, v in counting.items() if k != "scratch"} == {
+        k: v for k, v in plain.items() if k != "scratch"
+    }

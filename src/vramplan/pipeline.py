@@ -117,11 +117,11 @@ def estimate_traced(
     return result
 
 
-def _policy(target: str, device: DeviceOptions) -> DevicePolicy:
-    """The trace policy for ``target`` as the emulated stack runs it."""
+def _cuda_rules(device: DeviceOptions) -> tuple:
+    """``CudaPolicy``'s arguments for ``device``: its architecture, the emulated stack's
+    rules and what its kernels' launches read (one list for every CUDA policy)."""
     software = device.software
-    return policy_for(
-        target,
+    return (
         device.card.arch,
         software.foreach_default,
         software.zero_grad_frees,
@@ -131,6 +131,11 @@ def _policy(target: str, device: DeviceOptions) -> DevicePolicy:
         device.card.kernel_card,
         software.checkpoint_saves_empty,
     )
+
+
+def _policy(target: str, device: DeviceOptions) -> DevicePolicy:
+    """The trace policy for ``target`` as the emulated stack runs it."""
+    return policy_for(target, *_cuda_rules(device))
 
 
 def cuda_policy(device: DeviceOptions) -> DevicePolicy:
@@ -143,15 +148,7 @@ def flop_counting_policy(device: DeviceOptions) -> DevicePolicy:
     the same traced events, and the FLOPs in the trace's op counts (``FLOPS_KEY``)."""
     from vramplan.trace.flops import FlopCountingPolicy
 
-    software = device.software
-    return FlopCountingPolicy(
-        device.card.arch,
-        software.foreach_default,
-        software.zero_grad_frees,
-        software.saves_every_operand,
-        cudnn_dropout_steps=software.cudnn_dropout_steps,
-        checkpoint_saves_empty=software.checkpoint_saves_empty,
-    )
+    return FlopCountingPolicy(*_cuda_rules(device))
 
 
 def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any = None) -> Trace:
