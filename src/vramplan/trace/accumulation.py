@@ -17,6 +17,9 @@ Where the sum's first operand, not a view, dies before the next op (the buffer h
 only reference), the recorder writes the sum as made in that storage: no free, no new
 block, the operand's record living on with the sum's lifetime and tags
 (``AllocationRecorder._continue``); the sum's own record holds no bytes.
+
+The same holds for ``index``'s backward (``index_backward_put``): on real tensors it
+scatters the gradient in place into its zeros, on subclasses into a new tensor.
 """
 
 from __future__ import annotations

@@ -189,8 +189,9 @@ class AllocationRecorder(TorchDispatchMode):
         self.accumulating = False
         """Between a backward node and the next: an ``add`` is autograd's accumulation."""
         self.summing: tuple[StorageRecord, StorageRecord] | None = None
-        """The accumulation just dispatched: (sum, first operand). If the operand dies
-        before the next op, the engine summed into it in place (``accumulation.py``)."""
+        """The op just dispatched that real tensors run in place (a gradient sum, index's
+        backward scatter): (result, first operand). If the operand dies before the next op,
+        the result was made in its storage (``accumulation.py``)."""
         self.continued: dict[int, StorageRecord] = {}
         """A sum's record id: the operand record whose bytes it took over."""
 
