@@ -130,11 +130,7 @@ def replay_snapshot(snapshot: dict, release_cached: bool = False) -> SnapshotRep
             blocks.update(_seed(sim, segment, live))
     sim.stats.peak_reserved, sim.stats.peak_allocated = sim.stats.reserved, sim.stats.allocated
     start = sim.stats.reserved
-    for event in snapshot["device_traces"][0]:
-        if event["action"] == "alloc":
-            blocks[event["addr"]] = sim.malloc(event["size"], 0)
-        elif event["action"] == "free_completed" and event["addr"] in blocks:
-            sim.free(blocks.pop(event["addr"]))
+    replay_from(sim, snapshot, blocks)
     return SnapshotReplay(
         start_reserved=start,
         peak_reserved=sim.stats.peak_reserved,
@@ -170,9 +166,10 @@ def estimate_setup(row_path: str, gpu: str, stack: str) -> tuple[CachingAllocato
     return sim, estimate.peak.reserved_bytes
 
 
-def replay_from(sim: CachingAllocator, snapshot: dict) -> int:
-    """The reserved peak of the snapshot's requests replayed on ``sim`` as it stands."""
-    blocks: dict[int, Block] = {}
+def replay_from(sim: CachingAllocator, snapshot: dict, blocks: dict | None = None) -> int:
+    """The reserved peak of the snapshot's requests replayed on ``sim`` as it stands
+    (``blocks``: the blocks live at the start, by address)."""
+    blocks = {} if blocks is None else blocks
     for event in snapshot["device_traces"][0]:
         if event["action"] == "alloc":
             blocks[event["addr"]] = sim.malloc(event["size"], 0)
