@@ -222,3 +222,61 @@ def test_plan_stores_weights_as_the_storage_flags_say(tiny_llama, run_cli):
     norms = (2 * layers + 1) * hidden  # two per block and the final one
     assert model["parameter_bytes"] == 2 * (model["parameters"] - norms) + 4 * norms
     assert model["parameter_bytes"] != 4 * model["parameters"]
+
+
+TINY_BIGCODE = {
+    "model_type": "gpt_bigcode",
+    "architectures": ["GPTBigCodeForCausalLM"],
+    "multi_query": True,
+    "n_embd": 64,
+    "n_head": 4,
+    "n_inner": 128,
+    "n_layer": 3,
+    "n_positions": 128,
+    "vocab_size": 2048,
+    "use_cache": True,
+    "attn_pdrop": 0.0,
+    "resid_pdrop": 0.0,
+    "embd_pdrop": 0.0,
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_bigcode(tmp_path_factory) -> str:
+    pytest.importorskip("transformers")
+    path = tmp_path_factory.mktemp("bigcode") / "config.json"
+    path.write_text(json.dumps(TINY_BIGCODE))
+    return f"hf:{path}"
+
+
+def test_kv_in_training_keeps_each_blocks_fused_projection_until_the_loss(tiny_bigcode):
+    """transformers 4.48's gpt_bigcode under checkpointing: the forward's peak (at the
+    loss) holds every block's ``c_attn`` output (``[batch, seq, n_embd + 2 x head_dim]``,
+    multi-query) more, to the byte; backward, after the model's output is gone, holds
+    nothing more."""
+
+    def peaks(**knobs) -> dict[str, int]:
+        recipe = Recipe(
+            batch_size=BATCH,
+            seq_len=SEQ,
+            optimizer="sgd",
+            precision="bf16",
+            checkpointing="full",
+            loss_shift_copy=True,
+            loss_no_upcast=True,
+            **knobs,
+        )
+        return trace_and_estimate(resolve(tiny_bigcode, recipe), recipe, "cpu")[0].phase_peaks
+
+    head_dim = TINY_BIGCODE["n_embd"] // TINY_BIGCODE["n_head"]
+    per_block = BATCH * SEQ * (TINY_BIGCODE["n_embd"] + 2 * head_dim) * 2
+    kept, plain = peaks(kv_in_training=True), peaks()
+    assert kept["forward"] - plain["forward"] == TINY_BIGCODE["n_layer"] * per_block
+    assert kept["backward"] == plain["backward"]
+
+
+def test_kv_in_training_is_gpt_bigcodes_and_a_training_steps(tiny_llama, tiny_bigcode):
+    with pytest.raises(UserError, match="--kv-in-training .* llama"):
+        resolve(tiny_llama, Recipe(kv_in_training=True))
+    with pytest.raises(UserError, match="does not train"):
+        resolve(tiny_bigcode, Recipe(kv_in_training=True, mode="infer"))

@@ -160,12 +160,14 @@ class Recipe:
     # How a framework stores and casts (trace/step.py, sources/loss.py): Hugging Face's
     # torch_dtype under bf16=True autocast, fp32 islands (peft adapters, TRL's norms),
     # transformers < 4.49's loss (without the fp32 upcast in models that kept their own,
-    # gpt_bigcode and GPT-2 in 4.48); transformers 4.x encoders' always-added attention mask.
+    # gpt_bigcode and GPT-2 in 4.48); transformers 4.x encoders' always-added attention mask;
+    # transformers 4.x gpt_bigcode's key/value cache, returned in training too.
     weights_dtype: str | None = None
     keep_fp32: str | None = None
     loss_shift_copy: bool = False
     loss_no_upcast: bool = False
     additive_mask: bool = False
+    kv_in_training: bool = False
     # transformers 4.x's gradient checkpointing (no gradient_checkpointing_kwargs): reentrant.
     # Traced as non-reentrant (the same bytes per block); it decides what FSDP1 holds
     # (distributed/fsdp.py, fsdp1_held_blocks).
@@ -639,6 +641,7 @@ STORAGE_DEFAULTS = {
     "loss_shift_copy": False,
     "loss_no_upcast": False,
     "additive_mask": False,
+    "kv_in_training": False,
     "reentrant": False,
 }
 

@@ -575,6 +575,15 @@ AdditiveMaskOpt = Annotated[
         "even for a batch without one and added to the scores in the weights' dtype.",
     ),
 ]
+KvInTrainingOpt = Annotated[
+    bool,
+    typer.Option(
+        "--kv-in-training",
+        help="gpt_bigcode: transformers 4.x's model returns its key/value cache in training "
+        "too (use_cache stays on under gradient checkpointing), so each block's fused "
+        "query/key/value projection lives until the loss.",
+    ),
+]
 ReentrantOpt = Annotated[
     bool,
     typer.Option(
@@ -590,6 +599,7 @@ STORAGE_OPTIONS = OptionGroup.of(
     loss_shift_copy=(LossShiftCopyOpt, False),
     loss_no_upcast=(LossNoUpcastOpt, False),
     additive_mask=(AdditiveMaskOpt, False),
+    kv_in_training=(KvInTrainingOpt, False),
     reentrant=(ReentrantOpt, False),
 )
 FINETUNING = (FINETUNE_OPTIONS, TRICK_OPTIONS, STORAGE_OPTIONS)

@@ -31,6 +31,7 @@ from vramplan.sources.fp8_weights import quantize_fp8_linears
 from vramplan.sources.int4 import DEFAULT_GROUP_SIZE, Int4Format, quantize_int4_linears
 from vramplan.sources.loss import loss_run
 from vramplan.sources.quantized import dequantized_dtype, quantize_linears
+from vramplan.sources.training_cache import keep_training_cache
 
 _TASK_TYPES = {
     "causal-lm": "CAUSAL_LM",
@@ -211,6 +212,7 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
     """The built model quantized, LoRA-wrapped and frozen as the recipe says, with the loss
     and packing the recipe asks for (unchanged when it says nothing)."""
     apply_loss_and_packing(built, recipe)
+    keep_training_cache(built, recipe)
     if not wants_finetune(recipe):
         return built
     model = built.model
