@@ -165,12 +165,25 @@ class _Pool:
         del keys[bisect.bisect_left(keys, key)]
         del self.blocks[key]
 
-    def best_fit(self, size: int, stream: int = 0) -> Block | None:
+    def take_best_fit(self, size: int, stream: int, limit: int, non_split: int) -> Block | None:
+        """Take out and return the stream's smallest free block of at least ``size`` bytes
+        (lowest address among equals), unless ``get_free_block`` would refuse it: an
+        oversize block (``limit``: ``max_split_size``) for a request below the limit, or one
+        ``non_split`` bytes or more too big for an oversize request. One bisection finds
+        and removes it: the replay's hot path."""
         keys = self.keys
         index = bisect.bisect_left(keys, (stream << STREAM_SHIFT) | (size << SIZE_SHIFT))
-        if index < len(keys) and keys[index] >> STREAM_SHIFT == stream:
-            return self.blocks[keys[index]]
-        return None
+        if index == len(keys):
+            return None
+        key = keys[index]
+        if key >> STREAM_SHIFT != stream:
+            return None
+        block = self.blocks[key]
+        if size < limit <= block.size or (size >= limit and block.size >= size + non_split):
+            return None
+        del keys[index]
+        del self.blocks[key]
+        return block
 
     def sizes(self, stream: int) -> list[int]:
         """The sizes of the stream's free blocks."""
@@ -204,6 +217,7 @@ class CachingAllocator:
         self.capacity = capacity
         self._plain_rounding = not config.rounds_to_divisions
         self._max_split = config.max_split_size
+        self._non_split = config.max_non_split_rounding
         self.stats = AllocatorStats()
         self.small = _Pool()
         self.large = _Pool()
@@ -223,7 +237,7 @@ class CachingAllocator:
             rounded = round_size(size, self.config)
         small = rounded <= SMALL_SIZE
         pool = self.small if small else self.large
-        block = self._free_block(pool, rounded, stream)
+        block = pool.take_best_fit(rounded, stream, self._max_split, self._non_split)
         if block is None:
             block = self._new_block(rounded, small, stream, retry=False)
         if block is None and self._release_oversize(pool, rounded, stream):
@@ -279,18 +293,6 @@ class CachingAllocator:
             stats.allocated_at_peak_reserved = max(
                 stats.allocated_at_peak_reserved, stats.allocated
             )
-
-    def _free_block(self, pool: _Pool, rounded: int, stream: int) -> Block | None:
-        block = pool.best_fit(rounded, stream)
-        if block is None:
-            return None
-        limit = self._max_split
-        if rounded < limit <= block.size:
-            return None  # no oversize block for a small request
-        if rounded >= limit and block.size >= rounded + self.config.max_non_split_rounding:
-            return None
-        pool.remove(block)
-        return block
 
     def _new_block(self, rounded: int, small: bool, stream: int, retry: bool) -> Block | None:
         if retry:
