@@ -280,3 +280,33 @@ def test_kv_in_training_is_gpt_bigcodes_and_a_training_steps(tiny_llama, tiny_bi
         resolve(tiny_llama, Recipe(kv_in_training=True))
     with pytest.raises(UserError, match="does not train"):
         resolve(tiny_bigcode, Recipe(kv_in_training=True, mode="infer"))
+
+
+@pytest.mark.parametrize("knobs", [{"loss_chunks": 4}, {"loss_shift_copy": True}])
+def test_a_replaced_loss_calls_the_model_as_its_own_loss_does(tiny_llama, monkeypatch, knobs):
+    """Under checkpointing (no cache) transformers 5 looks for packed sequences in the
+    position ids; a real run of one sequence per row finds none and builds no causal mask
+    (SDPA's is_causal). The traced step with a replaced loss builds none either, as with
+    the model's own loss."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    masks: list = []
+    build = modeling_llama.create_causal_mask
+
+    def spy(*args, **kwargs):
+        mask = build(*args, **kwargs)
+        masks.append(None if mask is None else tuple(mask.shape))
+        return mask
+
+    monkeypatch.setattr(modeling_llama, "create_causal_mask", spy)
+    config = transformers.LlamaConfig(**{k: v for k, v in TINY_LLAMA.items() if k != "model_type"})
+    real = transformers.LlamaForCausalLM(config).train()
+    real.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ))
+    real(input_ids=ids, labels=ids).loss.backward()
+    assert masks == [None]
+    masks.clear()
+    recipe = Recipe(batch_size=BATCH, seq_len=SEQ, optimizer="sgd", checkpointing="full", **knobs)
+    trace_and_estimate(resolve(tiny_llama, recipe), recipe, "cpu")
+    assert masks and set(masks) == {None}

@@ -243,7 +243,8 @@ def profile_run_peak(built: BuiltModel, options: ServeOptions, device: DeviceOpt
 
     def run(model: nn.Module, ids: torch.Tensor, _training: bool) -> torch.Tensor:
         kwargs = {"logits_to_keep": 1} if generator.keeps_last_logits else {}
-        output = model(input_ids=ids, use_cache=False, **kwargs)
+        with built.forward_context():
+            output = model(input_ids=ids, use_cache=False, **kwargs)
         logits = output.logits[:, -1]
         del output
         return sample_like_vllm(logits, sampler["temperature"], sampler["top_p"])

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -63,6 +64,11 @@ class BuiltModel:
     """The framework's own optimizer over the trainable parameters, as a
     ``torch.optim.Optimizer`` (Keras's update on its torch backend); None, or None
     returned: vramplan's ``build_optimizer`` for ``--optimizer``."""
+    forward_context: Callable[[], AbstractContextManager] = nullcontext
+    """What every call of the model runs under (a transformers model: its value checks off
+    where fake tensors cannot answer them, one sequence per row for its causal mask), so
+    that a loss that replaces ``run``'s (``sources/loss.py``) calls the model as ``run``
+    does."""
     zero_grad_after_forward: bool = False
     """Whether the framework's step clears the gradients after the forward pass rather than
     after the optimizer step (Keras's ``train_step`` on the torch backend): the previous

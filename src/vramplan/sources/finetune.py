@@ -340,7 +340,7 @@ def apply_loss_and_packing(built: BuiltModel, recipe: Recipe) -> None:
             raise UserError(
                 f"--loss-shift-copy is a causal LM's loss; {built.name} is {built.kind}"
             )
-        built.run = loss_run(recipe)
+        built.run = loss_run(recipe, built.forward_context)
         built.notes.append(
             "loss: the model's own pre-4.49 CrossEntropyLoss (a contiguous copy of the "
             "shifted logits in their own dtype, no fp32 upcast)"
@@ -352,7 +352,7 @@ def apply_loss_and_packing(built: BuiltModel, recipe: Recipe) -> None:
         flag = "--fused-ce" if recipe.fused_ce else f"--loss-chunks {recipe.loss_chunks}"
         if built.kind != "causal-lm":
             raise UserError(f"{flag} replaces a causal LM's loss; {built.name} is {built.kind}")
-        built.run = loss_run(recipe)
+        built.run = loss_run(recipe, built.forward_context)
         built.notes.append(
             "loss: Liger's fused linear cross-entropy (logits made and turned into gradients "
             "chunk by chunk in forward; the Triton kernel's in-place writes modelled)"

@@ -11,6 +11,7 @@ and the model is built on the meta device::
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -237,9 +238,14 @@ def wrap_hf_model(model: nn.Module, recipe: Recipe, built_name: str) -> BuiltMod
     kind = model_kind(model)
     inputs = example_inputs(model, kind, recipe, built_name)
 
-    def run(module: nn.Module, batch: Batch, training: bool):
+    @contextlib.contextmanager
+    def forward_context() -> Iterator[None]:
         checks = contextlib.nullcontext() if inputs.value_checks else value_checks_off()
         with checks, one_sequence_per_row():
+            yield
+
+    def run(module: nn.Module, batch: Batch, training: bool):
+        with forward_context():
             if training and kind == "embedding":
                 return in_batch_contrastive(module(**batch))
             if training:
@@ -269,6 +275,7 @@ def wrap_hf_model(model: nn.Module, recipe: Recipe, built_name: str) -> BuiltMod
         model=model,
         make_batch=inputs.make_batch,
         run=run,
+        forward_context=forward_context,
         default_input_shape=inputs.shape,
         enable_checkpointing=enable_checkpointing
         if model.supports_gradient_checkpointing

@@ -37,6 +37,7 @@ root's, whose forward pre-hook gathers the embeddings, final norm and head::
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -187,16 +188,21 @@ def in_root_forward(model: nn.Module, loss: Callable[..., Any], batch: dict) -> 
         del model.forward
 
 
-def loss_run(recipe: Recipe) -> Callable[[nn.Module, dict, bool], Any]:
-    """A ``BuiltModel.run`` for a causal LM computing its loss as the recipe says."""
+def loss_run(
+    recipe: Recipe, forward_context: Callable[[], AbstractContextManager] = nullcontext
+) -> Callable[[nn.Module, dict, bool], Any]:
+    """A ``BuiltModel.run`` for a causal LM computing its loss as the recipe says, the model
+    called under ``forward_context`` (``BuiltModel.forward_context``: as its own run calls it;
+    without it, transformers 5 keeps a packed-sequence mask under fake tensors)."""
 
     def run(module: nn.Module, batch: dict, training: bool):
-        if not training:
-            return module(**{k: v for k, v in batch.items() if k != "labels"})
-        if recipe.fused_ce:
-            return fused_loss(module, batch)
-        if recipe.loss_shift_copy:
-            return shift_copy_loss(module, batch, upcast=not recipe.loss_no_upcast)
-        return chunked_loss(module, batch, recipe.loss_chunks, recipe.compile)
+        with forward_context():
+            if not training:
+                return module(**{k: v for k, v in batch.items() if k != "labels"})
+            if recipe.fused_ce:
+                return fused_loss(module, batch)
+            if recipe.loss_shift_copy:
+                return shift_copy_loss(module, batch, upcast=not recipe.loss_no_upcast)
+            return chunked_loss(module, batch, recipe.loss_chunks, recipe.compile)
 
     return run
