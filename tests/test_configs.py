@@ -407,6 +407,7 @@ def test_torchtune_recipe_gives_the_flags_estimate(tmp_path, llama):
         compile=True,
         activation_offload=True,
         loss_chunks=8,
+        repeat_kv=True,
     )
     same(from_config, vramplan.Session(llama, gpu="t4").estimate(flags).to_json())
 
@@ -505,3 +506,19 @@ def test_selective_checkpointing_modes(tmp_path):
     assert vramplan.Recipe(checkpointing="every:1").checkpointing == "full"
     with pytest.raises(vramplan.UserError, match="every:N"):
         vramplan.Recipe(checkpointing="every:0")
+
+
+def test_torchtune_repeats_kv_for_its_grouped_query_builders(tmp_path):
+    """torchtune's MultiHeadAttention repeats K and V before SDPA: the recipe of a builder
+    whose bundled config has fewer key/value heads than query heads asks for --repeat-kv,
+    Llama 2's (as many of each) does not."""
+    from vramplan.configs.torchtune import GROUPED_QUERY, MODELS
+    from vramplan.sources.configs import load_config_dict
+
+    for builder, name in MODELS.items():
+        _, config = load_config_dict(name)
+        grouped = config["num_key_value_heads"] < config["num_attention_heads"]
+        assert (builder in GROUPED_QUERY) == grouped, builder
+    assert read_config(write(tmp_path, "lora.yaml", TORCHTUNE)).recipe().repeat_kv
+    llama2 = TORCHTUNE.replace("lora_llama3_1_8b", "lora_llama2_7b")
+    assert not read_config(write(tmp_path, "llama2.yaml", llama2)).recipe().repeat_kv

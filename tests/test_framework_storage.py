@@ -310,3 +310,53 @@ def test_a_replaced_loss_calls_the_model_as_its_own_loss_does(tiny_llama, monkey
     recipe = Recipe(batch_size=BATCH, seq_len=SEQ, optimizer="sgd", checkpointing="full", **knobs)
     trace_and_estimate(resolve(tiny_llama, recipe), recipe, "cpu")
     assert masks and set(masks) == {None}
+
+
+TINY_GQA = {**TINY_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 256}
+
+
+def test_repeat_kv_saves_k_and_v_repeated_to_every_head(tmp_path):
+    """``--repeat-kv`` (transformers < 4.54, torchtune): without checkpointing each layer's
+    SDPA saves K and V repeated to all query heads instead of the key/value heads' own, so
+    backward starts ``layers x 2 x (heads - kv_heads) x batch x seq x head_dim`` bf16 bytes
+    higher; with every block recomputed they are saved only inside the block being
+    recomputed, which repeats them as the forward did: at most one layer's more."""
+    pytest.importorskip("transformers")
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_GQA))
+    heads, kv_heads = TINY_GQA["num_attention_heads"], TINY_GQA["num_key_value_heads"]
+    head_dim = TINY_GQA["hidden_size"] // heads
+
+    def peaks(checkpointing: str, repeat_kv: bool) -> dict:
+        recipe = Recipe(
+            batch_size=BATCH,
+            seq_len=SEQ,
+            precision="bf16",
+            optimizer="sgd",
+            checkpointing=checkpointing,
+            repeat_kv=repeat_kv,
+        )
+        return trace_and_estimate(resolve(f"hf:{path}", recipe), recipe, "cuda")[0].phase_peaks
+
+    repeated, own = peaks("none", True), peaks("none", False)
+    per_layer = 2 * (heads - kv_heads) * BATCH * SEQ * head_dim * 2
+    assert repeated["backward"] - own["backward"] == TINY_GQA["num_hidden_layers"] * per_layer
+    recomputed = peaks("full", True)["backward"] - peaks("full", False)["backward"]
+    assert 0 < recomputed <= per_layer
+
+
+def test_repeat_kv_says_where_it_changes_nothing(tiny_llama, tmp_path):
+    """A model without grouped-query attention, or eager attention (which repeats K and V
+    itself): the flag is noted as changing nothing, and the figures are the plain ones."""
+    knobs = dict(batch_size=BATCH, seq_len=SEQ, optimizer="sgd")
+    built = resolve(tiny_llama, Recipe(repeat_kv=True, **knobs))
+    assert any("no grouped-query attention" in n for n in built.notes)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(TINY_GQA))
+    eager = Recipe(repeat_kv=True, attention="eager", **knobs)
+    built = resolve(f"hf:{path}", eager)
+    assert any("eager attention takes K and V" in n for n in built.notes)
+    plain = Recipe(attention="eager", **knobs)
+    repeated = trace_and_estimate(built, eager, "cpu")[0].peak.allocated_bytes
+    own = trace_and_estimate(resolve(f"hf:{path}", plain), plain, "cpu")[0].peak.allocated_bytes
+    assert repeated == own

@@ -161,13 +161,15 @@ class Recipe:
     # torch_dtype under bf16=True autocast, fp32 islands (peft adapters, TRL's norms),
     # transformers < 4.49's loss (without the fp32 upcast in models that kept their own,
     # gpt_bigcode and GPT-2 in 4.48); transformers 4.x encoders' always-added attention mask;
-    # transformers 4.x gpt_bigcode's key/value cache, returned in training too.
+    # transformers 4.x gpt_bigcode's key/value cache, returned in training too; K and V
+    # repeated to every query head before SDPA (transformers < 4.54, torchtune).
     weights_dtype: str | None = None
     keep_fp32: str | None = None
     loss_shift_copy: bool = False
     loss_no_upcast: bool = False
     additive_mask: bool = False
     kv_in_training: bool = False
+    repeat_kv: bool = False
     # transformers 4.x's gradient checkpointing (no gradient_checkpointing_kwargs): reentrant.
     # Traced as non-reentrant (the same bytes per block); it decides what FSDP1 holds
     # (distributed/fsdp.py, fsdp1_held_blocks).
@@ -642,6 +644,7 @@ STORAGE_DEFAULTS = {
     "loss_no_upcast": False,
     "additive_mask": False,
     "kv_in_training": False,
+    "repeat_kv": False,
     "reentrant": False,
 }
 

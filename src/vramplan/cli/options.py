@@ -584,6 +584,15 @@ KvInTrainingOpt = Annotated[
         "query/key/value projection lives until the loss.",
     ),
 ]
+RepeatKvOpt = Annotated[
+    bool,
+    typer.Option(
+        "--repeat-kv",
+        help="Grouped-query attention: K and V repeated to every query head before SDPA, "
+        "as transformers before 4.54 and torchtune's MultiHeadAttention do (the copies SDPA "
+        "keeps for backward); transformers 5 passes enable_gqa instead.",
+    ),
+]
 ReentrantOpt = Annotated[
     bool,
     typer.Option(
@@ -600,6 +609,7 @@ STORAGE_OPTIONS = OptionGroup.of(
     loss_no_upcast=(LossNoUpcastOpt, False),
     additive_mask=(AdditiveMaskOpt, False),
     kv_in_training=(KvInTrainingOpt, False),
+    repeat_kv=(RepeatKvOpt, False),
     reentrant=(ReentrantOpt, False),
 )
 FINETUNING = (FINETUNE_OPTIONS, TRICK_OPTIONS, STORAGE_OPTIONS)

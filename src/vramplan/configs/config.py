@@ -44,6 +44,7 @@ RECIPE_OPTIONS = (
     "loss_chunks",
     "dora",
     "reentrant",
+    "repeat_kv",
 )
 LAYOUT_OPTIONS = tuple(inspect.signature(layout_from_flags).parameters)
 """The parallel-layout flags: the keyword arguments of ``layout_from_flags``."""

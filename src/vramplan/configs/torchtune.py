@@ -30,6 +30,11 @@ MODELS = {
 }
 """torchtune builders (without ``lora_`` / ``qlora_``) and the bundled Hugging Face config
 with the same shapes (Llama 3.1 differs from Llama 3 only in RoPE scaling and context)."""
+GROUPED_QUERY = {name for name in MODELS if not name.startswith("llama2")}
+"""The builders with grouped-query attention (fewer key/value heads than query heads):
+torchtune's ``MultiHeadAttention`` repeats their K and V to every query head before SDPA
+(``k.unsqueeze(2).expand(...).flatten(1, 2)``, torchtune 0.6.1), which ``--repeat-kv``
+traces; Llama 2 7B and 13B have as many key/value heads as query heads."""
 ATTENTION = {"q_proj": "q_proj", "k_proj": "k_proj", "v_proj": "v_proj", "output_proj": "o_proj"}
 MLP = ("gate_proj", "up_proj", "down_proj")
 _NOT_MODELLED = {"fsdp_cpu_offload": "FSDP CPU offload is not modelled"}
@@ -64,6 +69,13 @@ def _model(fields: Fields) -> str | None:
         )
         return None
     fields.honoured.append(f"model._component_ → hf:{name}")
+    if base in GROUPED_QUERY:
+        fields.honour(
+            "model._component_",
+            "repeat_kv",
+            True,
+            "MultiHeadAttention repeats K and V to every query head before SDPA",
+        )
     return f"hf:{name}"
 
 

@@ -69,6 +69,10 @@ class BuiltModel:
     where fake tensors cannot answer them, one sequence per row for its causal mask), so
     that a loss that replaces ``run``'s (``sources/loss.py``) calls the model as ``run``
     does."""
+    step_context: Callable[[], AbstractContextManager] = nullcontext
+    """What the whole step runs under, backward's recomputation of checkpointed blocks
+    included (``--repeat-kv``: transformers' SDPA repeating K and V); every loop that runs
+    the model enters it (``trace/loop.run_steps``, the traced ``generate``)."""
     zero_grad_after_forward: bool = False
     """Whether the framework's step clears the gradients after the forward pass rather than
     after the optimizer step (Keras's ``train_step`` on the torch backend): the previous

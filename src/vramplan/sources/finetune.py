@@ -28,6 +28,7 @@ from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import BuiltModel
 from vramplan.sources.fp8_weights import quantize_fp8_linears
+from vramplan.sources.hf_attention import repeat_kv_note
 from vramplan.sources.int4 import DEFAULT_GROUP_SIZE, Int4Format, quantize_int4_linears
 from vramplan.sources.loss import loss_run
 from vramplan.sources.quantized import dequantized_dtype, quantize_linears
@@ -213,6 +214,8 @@ def apply_finetune(built: BuiltModel, recipe: Recipe, device: str = "meta") -> B
     and packing the recipe asks for (unchanged when it says nothing)."""
     apply_loss_and_packing(built, recipe)
     keep_training_cache(built, recipe)
+    if note := repeat_kv_note(built.model, recipe):
+        built.notes.append(note)
     if not wants_finetune(recipe):
         return built
     model = built.model

@@ -24,7 +24,13 @@ from vramplan.sources.base import Batch, BuiltModel
 from vramplan.sources.blocks import checkpoint_options, chosen_blocks
 from vramplan.sources.configs import WIDTH_KEYS, load_config_dict, validate_config
 from vramplan.sources.generation import Generator, ImagePrompt, generator_for
-from vramplan.sources.hf_attention import NOTES, REGISTERED, attention_name, check_attention
+from vramplan.sources.hf_attention import (
+    NOTES,
+    REGISTERED,
+    attention_name,
+    check_attention,
+    repeated_kv,
+)
 from vramplan.sources.hf_attention import register as register_attention
 from vramplan.sources.hf_inputs import (
     EMBEDDING_NOTE,
@@ -276,6 +282,7 @@ def wrap_hf_model(model: nn.Module, recipe: Recipe, built_name: str) -> BuiltMod
         make_batch=inputs.make_batch,
         run=run,
         forward_context=forward_context,
+        step_context=repeated_kv if recipe.repeat_kv else contextlib.nullcontext,
         default_input_shape=inputs.shape,
         enable_checkpointing=enable_checkpointing
         if model.supports_gradient_checkpointing

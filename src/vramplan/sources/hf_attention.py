@@ -16,7 +16,12 @@ log-sum-exp); the model code is unchanged::
 
 from __future__ import annotations
 
+import contextlib
+import sys
+from collections.abc import Iterator
+
 import torch
+from torch import nn
 
 from vramplan.errors import UserError
 from vramplan.ops.fused_attention import fused_attention
@@ -132,3 +137,43 @@ def check_attention_target(choice: str | None, target: str, arch: str) -> None:
             f"and Hopper (sm90) GPUs and AMD MI200/MI300; the card is {arch} "
             "(use --attention sdpa)"
         )
+
+
+@contextlib.contextmanager
+def repeated_kv() -> Iterator[None]:
+    """``--repeat-kv``: transformers' SDPA attention repeats K and V to every query head
+    (``repeat_kv``) instead of passing ``enable_gqa``, as transformers before 4.54 always
+    did (4.48.1 and 4.52.1 read: ``sdpa_attention_forward`` calls ``repeat_kv``
+    unconditionally) and as torchtune's ``MultiHeadAttention`` does (0.6.1 read:
+    ``k.unsqueeze(2).expand(...).flatten(1, 2)`` before SDPA). The repeated copies are what
+    SDPA saves for backward."""
+    module = sys.modules.get("transformers.integrations.sdpa_attention")
+    decide = getattr(module, "use_gqa_in_sdpa", None)
+    if decide is None:  # a transformers that always repeats
+        yield
+        return
+    module.use_gqa_in_sdpa = lambda *_args, **_kwargs: False
+    try:
+        yield
+    finally:
+        module.use_gqa_in_sdpa = decide
+
+
+def repeat_kv_note(model: nn.Module, recipe: Recipe) -> str | None:
+    """What ``--repeat-kv`` does to ``model``: None where it repeats K and V (grouped-query
+    attention through transformers' SDPA), else the note that says why nothing changes (a
+    torchtune recipe turns it on for its builders whatever model the command names)."""
+    if not recipe.repeat_kv:
+        return None
+    config = getattr(model, "config", None)
+    heads = getattr(config, "num_attention_heads", None)
+    kv_heads = getattr(config, "num_key_value_heads", None)
+    if heads is None or kv_heads is None or kv_heads >= heads:
+        return "--repeat-kv changes nothing: the model has no grouped-query attention"
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation != "sdpa":
+        return (
+            f"--repeat-kv changes nothing: {implementation} attention takes K and V as "
+            "transformers' own code gives them"
+        )
+    return None

@@ -363,6 +363,7 @@ def _generation_session(built: BuiltModel, recipe: Recipe, policy: DevicePolicy)
         tracing(
             built.model, policy, recipe, built.name, "check --prompt-len / --new-tokens"
         ) as session,
+        built.step_context(),
     ):
         session.notes.extend(notes + built.notes)
         session.prepare_model(built.model)

@@ -64,36 +64,38 @@ def run_steps(
     forward or backward pass (the tracer writes them from the first iteration's:
     ``trace/copied_iteration.py``), only its optimizer step. A micro-step for which
     ``copies_micro_step(iteration, micro_step)`` is true is not run either (the tracer
-    writes it from the first: ``trace/copied_micro_step.py``)."""
-    for iteration in range(1, iterations + 1):
-        copied = skips_passes(iteration)
-        if not recipe.is_training:
-            if not copied:
-                mark_phase(Phase.FORWARD, iteration)
-                with torch.no_grad(), autocast():
-                    output = built.run(model, batch, False)
-                del output
-            continue
-        for micro_step in range(0 if copied else micro_steps(recipe)):
-            if copies_micro_step(iteration, micro_step):
+    writes it from the first: ``trace/copied_micro_step.py``). The whole loop runs under
+    ``built.step_context()``."""
+    with built.step_context():
+        for iteration in range(1, iterations + 1):
+            copied = skips_passes(iteration)
+            if not recipe.is_training:
+                if not copied:
+                    mark_phase(Phase.FORWARD, iteration)
+                    with torch.no_grad(), autocast():
+                        output = built.run(model, batch, False)
+                    del output
                 continue
-            mark_phase(Phase.FORWARD, iteration)
-            with autocast():
-                loss = built.run(model, batch, True)
-            if built.zero_grad_after_forward and micro_step == 0:
-                model.zero_grad(set_to_none=True)
-            if recipe.grad_accum > 1:
-                loss = loss / recipe.grad_accum
-            mark_phase(Phase.BACKWARD, iteration)
-            backward(loss)
-            del loss
-        mark_phase(Phase.OPTIMIZER, iteration)
-        if optimizer is not None:
-            optimizer.step()
-            after_optimizer()
-        if built.zero_grad_after_forward:
-            continue
-        if optimizer is not None:
-            optimizer.zero_grad(set_to_none=set_to_none)
-        else:
-            model.zero_grad(set_to_none=set_to_none)
+            for micro_step in range(0 if copied else micro_steps(recipe)):
+                if copies_micro_step(iteration, micro_step):
+                    continue
+                mark_phase(Phase.FORWARD, iteration)
+                with autocast():
+                    loss = built.run(model, batch, True)
+                if built.zero_grad_after_forward and micro_step == 0:
+                    model.zero_grad(set_to_none=True)
+                if recipe.grad_accum > 1:
+                    loss = loss / recipe.grad_accum
+                mark_phase(Phase.BACKWARD, iteration)
+                backward(loss)
+                del loss
+            mark_phase(Phase.OPTIMIZER, iteration)
+            if optimizer is not None:
+                optimizer.step()
+                after_optimizer()
+            if built.zero_grad_after_forward:
+                continue
+            if optimizer is not None:
+                optimizer.zero_grad(set_to_none=set_to_none)
+            else:
+                model.zero_grad(set_to_none=set_to_none)
