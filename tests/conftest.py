@@ -88,13 +88,18 @@ MID_LLAMA = {  # a 340M-parameter Llama: 131M of it embeddings and head
 }
 
 
+def hf_name(folder: Path, config: dict) -> str:
+    """``hf:`` name of ``config`` written as ``folder/config.json``."""
+    path = folder / "config.json"
+    path.write_text(json.dumps(config))
+    return f"hf:{path}"
+
+
 @pytest.fixture(scope="session")
 def tiny_llama(tmp_path_factory) -> str:
     """``hf:`` name of TINY_LLAMA's config written to a temporary file."""
     pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("llama") / "config.json"
-    path.write_text(json.dumps(TINY_LLAMA))
-    return f"hf:{path}"
+    return hf_name(tmp_path_factory.mktemp("llama"), TINY_LLAMA)
 
 
 # A one-layer CLIP vision tower over 56 x 56 images: 16 patches of 14 x 14.

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from conftest import TINY_LLAMA
+from conftest import TINY_LLAMA, gqa_llama, hf_name
 from torch.nn import functional as F  # noqa: N812
 
 from vramplan import Recipe, UserError
@@ -244,9 +244,7 @@ TINY_BIGCODE = {
 @pytest.fixture(scope="module")
 def tiny_bigcode(tmp_path_factory) -> str:
     pytest.importorskip("transformers")
-    path = tmp_path_factory.mktemp("bigcode") / "config.json"
-    path.write_text(json.dumps(TINY_BIGCODE))
-    return f"hf:{path}"
+    return hf_name(tmp_path_factory.mktemp("bigcode"), TINY_BIGCODE)
 
 
 def test_kv_in_training_keeps_each_blocks_fused_projection_until_the_loss(tiny_bigcode):
@@ -312,22 +310,21 @@ def test_a_replaced_loss_calls_the_model_as_its_own_loss_does(tiny_llama, monkey
     assert masks and set(masks) == {None}
 
 
-TINY_GQA = {**TINY_LLAMA, "num_attention_heads": 8, "num_key_value_heads": 2, "vocab_size": 256}
+TINY_GQA = {**gqa_llama(2), "num_attention_heads": 8}
 
 
 def test_repeat_kv_saves_k_and_v_repeated_to_every_head(tmp_path):
     """``--repeat-kv`` (transformers < 4.54, torchtune): without checkpointing each layer's
     SDPA saves K and V repeated to all query heads instead of the key/value heads' own, so
     backward starts ``layers x 2 x (heads - kv_heads) x batch x seq x head_dim`` bf16 bytes
-    higher; with every block recomputed they are saved only inside the block being
-    recomputed, which repeats them as the forward did: at most one layer's more."""
+    higher; with every block recomputed, the recomputation in backward repeats them as the
+    forward did (more query-head-sized tensors made in backward)."""
     pytest.importorskip("transformers")
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY_GQA))
+    name = hf_name(tmp_path, TINY_GQA)
     heads, kv_heads = TINY_GQA["num_attention_heads"], TINY_GQA["num_key_value_heads"]
     head_dim = TINY_GQA["hidden_size"] // heads
 
-    def peaks(checkpointing: str, repeat_kv: bool) -> dict:
+    def traced(checkpointing: str, repeat_kv: bool):
         recipe = Recipe(
             batch_size=BATCH,
             seq_len=SEQ,
@@ -336,13 +333,18 @@ def test_repeat_kv_saves_k_and_v_repeated_to_every_head(tmp_path):
             checkpointing=checkpointing,
             repeat_kv=repeat_kv,
         )
-        return trace_and_estimate(resolve(f"hf:{path}", recipe), recipe, "cuda")[0].phase_peaks
+        return trace_and_estimate(resolve(name, recipe), recipe, "cuda")
 
-    repeated, own = peaks("none", True), peaks("none", False)
+    repeated, own = traced("none", True)[0].phase_peaks, traced("none", False)[0].phase_peaks
     per_layer = 2 * (heads - kv_heads) * BATCH * SEQ * head_dim * 2
     assert repeated["backward"] - own["backward"] == TINY_GQA["num_hidden_layers"] * per_layer
-    recomputed = peaks("full", True)["backward"] - peaks("full", False)["backward"]
-    assert 0 < recomputed <= per_layer
+
+    def head_sized_in_backward(repeat_kv: bool) -> int:
+        trace = traced("full", repeat_kv)[1]
+        size = BATCH * heads * SEQ * head_dim * 2
+        return sum(1 for a in trace.allocations if a.phase == "backward" and a.nbytes == size)
+
+    assert head_sized_in_backward(True) > head_sized_in_backward(False)
 
 
 def test_repeat_kv_says_where_it_changes_nothing(tiny_llama, tmp_path):
@@ -351,12 +353,11 @@ def test_repeat_kv_says_where_it_changes_nothing(tiny_llama, tmp_path):
     knobs = dict(batch_size=BATCH, seq_len=SEQ, optimizer="sgd")
     built = resolve(tiny_llama, Recipe(repeat_kv=True, **knobs))
     assert any("no grouped-query attention" in n for n in built.notes)
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(TINY_GQA))
+    name = hf_name(tmp_path, TINY_GQA)
     eager = Recipe(repeat_kv=True, attention="eager", **knobs)
-    built = resolve(f"hf:{path}", eager)
+    built = resolve(name, eager)
     assert any("eager attention takes K and V" in n for n in built.notes)
     plain = Recipe(attention="eager", **knobs)
     repeated = trace_and_estimate(built, eager, "cpu")[0].peak.allocated_bytes
-    own = trace_and_estimate(resolve(f"hf:{path}", plain), plain, "cpu")[0].peak.allocated_bytes
+    own = trace_and_estimate(resolve(name, plain), plain, "cpu")[0].peak.allocated_bytes
     assert repeated == own
