@@ -26,6 +26,7 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.ops.fused_attention import fused_attention
 from vramplan.recipe import Recipe
+from vramplan.trace.patching import patched
 
 # Our registry names: without "flash" in them, so transformers does not look for the
 # flash_attn package or a hub kernel when it meets them.
@@ -148,15 +149,11 @@ def repeated_kv() -> Iterator[None]:
     ``k.unsqueeze(2).expand(...).flatten(1, 2)`` before SDPA). The repeated copies are what
     SDPA saves for backward."""
     module = sys.modules.get("transformers.integrations.sdpa_attention")
-    decide = getattr(module, "use_gqa_in_sdpa", None)
-    if decide is None:  # a transformers that always repeats
+    if not hasattr(module, "use_gqa_in_sdpa"):  # a transformers that always repeats
         yield
         return
-    module.use_gqa_in_sdpa = lambda *_args, **_kwargs: False
-    try:
+    with patched([(module, "use_gqa_in_sdpa", lambda *_args, **_kwargs: False)]):
         yield
-    finally:
-        module.use_gqa_in_sdpa = decide
 
 
 def repeat_kv_note(model: nn.Module, recipe: Recipe) -> str | None:

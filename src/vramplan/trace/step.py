@@ -43,7 +43,12 @@ from vramplan.trace.offdevice import host_peaks, off_device
 from vramplan.trace.policy import DevicePolicy, entered
 from vramplan.trace.recorder import AllocationRecorder, storage_resizes
 from vramplan.trace.storage import cast_parameters
-from vramplan.trace.tricks import MIN_OFFLOAD_BYTES, Offloader, step_in_backward
+from vramplan.trace.tricks import (
+    FORWARD_STASH,
+    MIN_OFFLOAD_BYTES,
+    Offloader,
+    step_in_backward,
+)
 
 
 def _tag(recorder: AllocationRecorder, tensors, tag: str) -> None:
@@ -256,7 +261,7 @@ def _empty_saves_note(policy: DevicePolicy, recipe: Recipe) -> str:
         return ""
     return (
         "; each checkpoint saves an empty tensor before its inputs (PyTorch 2.1 to 2.11), "
-        "which the offloader's stash of 5 counts"
+        f"which the offloader's stash of {FORWARD_STASH} counts"
     )
 
 
