@@ -16,7 +16,9 @@ length an int here and a string there).
 Two ops the cache never takes are answered the way PyTorch answers them, without its
 uncached path: ``_unsafe_view`` (every ``matmul`` of a batch ends in one) as ``view``,
 whose sizes, strides and storage are the same and whose outputs are cached, and ``item()``
-of a constant (the optimizer's step counts) from the constant itself::
+of a constant (the optimizer's step counts) from the constant itself. Pointwise foreach
+ops over plain lists (a foreach optimizer's step) are answered without their meta
+kernels (``fake_foreach.py``)::
 
     with fake_mode():
         x = torch.empty(4, 4, device="cuda")
@@ -31,6 +33,8 @@ import inspect
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils._mode_utils import no_dispatch
+
+from vramplan.trace.fake_foreach import foreach_kind, pointwise_foreach
 
 PLAIN = frozenset(
     {int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout}
@@ -54,6 +58,10 @@ class KeyedFakeTensorMode(FakeTensorMode):
         elif func is _ITEM and self._constant(args[0]):
             with no_dispatch():  # what PyTorch's constant propagation runs
                 return func(args[0].constant)
+        elif foreach_kind(func) is not None:
+            answer = pointwise_foreach(self, func, args, kwargs or {})
+            if answer is not NotImplemented:
+                return answer
         return super().dispatch(func, types, args, kwargs)
 
     def _constant(self, tensor) -> bool:
