@@ -6,12 +6,18 @@ workloads in the same process, with both tools' allocated peaks.
 
 MemTracker (``torch.distributed._tools.mem_tracker``) counts live tensor bytes of a
 traced step; vramplan does that and also replays the CUDA caching allocator and adds the
-runtime. Both run two training iterations of the same model and batch.
+runtime. Both run two training iterations of the same model and batch, each from an empty
+FakeTensor dispatch cache, alternately ``--repeat`` times; the table gives each tool's best.
+What the imports and warm-up runs left alive is frozen out of the garbage collector's
+passes first (``gc.freeze``, as vramplan's command line does): otherwise a full collection
+over torch's and the model libraries' objects (about a quarter of a second on a 2-core
+machine) lands in whichever tool's timing happens to trigger it.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import time
 
 import torch
@@ -79,6 +85,7 @@ def vramplan_peak(spec: str, recipe: Recipe) -> tuple[float, int, int]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only")
+    parser.add_argument("--repeat", type=int, default=3)
     options = parser.parse_args()
     # first-call costs (imports, caches: torchvision's and transformers') are paid here,
     # outside the timings
@@ -88,6 +95,8 @@ def main() -> None:
     ):
         vramplan_peak(spec, warm)
         memtracker_peak(spec, warm)
+    gc.collect()
+    gc.freeze()
     print(
         "| workload | vramplan s | MemTracker s | MemTracker / vramplan | "
         "vramplan allocated MiB | MemTracker MiB | vramplan reserved MiB |"
@@ -96,12 +105,17 @@ def main() -> None:
     for name, spec, recipe in WORKLOADS:
         if options.only and options.only not in name:
             continue
-        # each tool starts from an empty FakeTensor dispatch cache: the second would
-        # otherwise find the first's entries for the same shapes
-        FakeTensorMode.cache_clear()
-        ours, allocated, reserved = vramplan_peak(spec, recipe)
-        FakeTensorMode.cache_clear()
-        theirs, tracked = memtracker_peak(spec, recipe)
+        ours, theirs = [], []
+        for _ in range(options.repeat):
+            # each tool starts from an empty FakeTensor dispatch cache: the second would
+            # otherwise find the first's entries for the same shapes
+            FakeTensorMode.cache_clear()
+            seconds, allocated, reserved = vramplan_peak(spec, recipe)
+            ours.append(seconds)
+            FakeTensorMode.cache_clear()
+            seconds, tracked = memtracker_peak(spec, recipe)
+            theirs.append(seconds)
+        ours, theirs = min(ours), min(theirs)
         print(
             f"| {name} | {ours:.2f} | {theirs:.2f} | {theirs / ours:.1f}x | "
             f"{allocated / 2**20:.0f} | {tracked / 2**20:.0f} | {reserved / 2**20:.0f} |",
