@@ -161,16 +161,7 @@ def traced(built: BuiltModel, recipe: Recipe, policy: DevicePolicy, engine: Any 
             raise UserError("--mode generate is traced on one GPU (no --fsdp)")
         return trace_generation(built, recipe, policy)
     if built.repeat_blocks:
-        rules = (
-            "arch",
-            "foreach",
-            "frees_grads",
-            "saves_every_operand",
-            "softmax_keeps_input",
-            "cudnn_dropout_steps",
-            "checkpoint_saves_empty",
-        )
-        kind = (type(policy), policy.name, *(vars(policy).get(rule) for rule in rules), engine)
+        kind = (*policy.trace_key(), engine)
         trace, note = repeat_built(
             built, recipe, lambda b, r: _trace_counted(b, r, policy, engine), kind
         )

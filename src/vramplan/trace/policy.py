@@ -57,6 +57,12 @@ class DevicePolicy(Protocol):
         (``kernel_scratch.KernelScratch``), or None."""
         ...
 
+    def trace_key(self) -> tuple:
+        """What of the policy shapes a trace: equal for two policies that trace a recipe
+        alike (the key a plan's short traces of repeated blocks are kept under beside the
+        recipe's, ``trace/repeat.py``)."""
+        ...
+
 
 def _dtype(name: str) -> torch.dtype:
     return getattr(torch, name)
@@ -96,6 +102,9 @@ class CpuPolicy:
 
     def kernel_scratch(self) -> None:
         return None  # the convolutions' is a dispatch mode's (cpu_conv.py)
+
+    def trace_key(self) -> tuple:
+        return (type(self), self.name)
 
     def flop_counter(self) -> None:
         return None
@@ -182,6 +191,26 @@ class CudaPolicy(CpuPolicy):
 
     def kernel_scratch(self) -> KernelScratch:
         return self.scratch
+
+    def trace_key(self) -> tuple:
+        """Every argument the policy was made with.
+
+        >>> CudaPolicy(arch="sm90").trace_key() == CudaPolicy(arch="sm80").trace_key()
+        False
+        >>> CudaPolicy(card=Card(132)).trace_key() == CudaPolicy().trace_key()
+        False
+        """
+        return (
+            *super().trace_key(),
+            self.arch,
+            self.foreach,
+            self.frees_grads,
+            self.saves_every_operand,
+            self.softmax_keeps_input,
+            self.cudnn_dropout_steps,
+            self.checkpoint_saves_empty,
+            self.scratch.card,
+        )
 
     def trace_notes(self) -> list[str]:
         calls = dict(self._kernels)
