@@ -1,30 +1,36 @@
 """Pointwise foreach ops answered without their meta kernels: the same answers as PyTorch's
 ``FakeTensorMode`` (tensors of the same shape, strides, dtype, device and storage size;
-the same errors), the shortcut taken exactly where it applies, and every torch.optim
-optimizer's traced step the same under it as under PyTorch's mode."""
+the same errors), the shortcut taken exactly where it applies. Traced steps with each
+torch.optim optimizer against PyTorch's mode: ``test_fake_mode.py``."""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from vramplan.device.options import device_options
-from vramplan.pipeline import trace_and_estimate
-from vramplan.recipe import Recipe
-from vramplan.sources import resolve
-from vramplan.trace import step
 from vramplan.trace.fake_foreach import pointwise_foreach
-from vramplan.trace.fake_mode import KeyedFakeTensorMode, fake_mode
-from vramplan.trace.repeat import same_events
+from vramplan.trace.fake_mode import KeyedFakeTensorMode
 
 SHAPES = [(8, 4), (16,), (), (3, 5, 2)]
 
 
 def _lists(count: int, dtype=torch.float32) -> list[list[torch.Tensor]]:
     return [[torch.empty(s, dtype=dtype, device="cuda") for s in SHAPES] for _ in range(count)]
+
+
+@pytest.fixture
+def taken(monkeypatch) -> list[bool]:
+    """Whether the shortcut answered, for each foreach op the keyed mode was asked."""
+    answered = []
+
+    def spy(mode, func, args, kwargs):
+        answer = pointwise_foreach(mode, func, args, kwargs)
+        answered.append(answer is not NotImplemented)
+        return answer
+
+    monkeypatch.setattr("vramplan.trace.fake_mode.pointwise_foreach", spy)
+    return answered
 
 
 CALLS = {  # name: (how many lists, the call)
@@ -62,16 +68,8 @@ def _answers(call, lists: int, dtype=torch.float32) -> list[object]:
 
 
 @pytest.mark.parametrize("name", list(CALLS))
-def test_the_shortcut_answers_as_pytorchs_mode(name, monkeypatch):
+def test_the_shortcut_answers_as_pytorchs_mode(name, taken):
     lists, call = CALLS[name]
-    taken = []
-
-    def spy(mode, func, args, kwargs):
-        answer = pointwise_foreach(mode, func, args, kwargs)
-        taken.append(answer is not NotImplemented)
-        return answer
-
-    monkeypatch.setattr("vramplan.trace.fake_mode.pointwise_foreach", spy)
     plain, keyed = _answers(call, lists)
     assert keyed == plain
     assert taken == [True]
@@ -104,16 +102,8 @@ def _not_plain():
 
 
 @pytest.mark.parametrize("name", list(_not_plain()))
-def test_what_the_shortcut_does_not_take_goes_to_pytorch(name, monkeypatch):
+def test_what_the_shortcut_does_not_take_goes_to_pytorch(name, taken):
     lists, call, dtype = _not_plain()[name]
-    taken = []
-
-    def spy(mode, func, args, kwargs):
-        answer = pointwise_foreach(mode, func, args, kwargs)
-        taken.append(answer is not NotImplemented)
-        return answer
-
-    monkeypatch.setattr("vramplan.trace.fake_mode.pointwise_foreach", spy)
     plain, keyed = _answers(call, lists, dtype or torch.float32)
     assert keyed == plain
     assert not any(taken)
@@ -144,32 +134,3 @@ def test_mixed_dtypes_at_an_index_go_to_pytorch():
             answers.append(_described(torch._foreach_add(a, b)))
     assert answers[0] == answers[1]
     assert answers[0][0][2] == torch.float32  # promoted: not the first list's dtype
-
-
-@pytest.mark.parametrize(
-    "knobs",
-    [
-        {"optimizer": "momentum"},
-        {"optimizer": "adagrad"},
-        {"optimizer": "rmsprop", "precision": "amp-fp16"},
-        {"optimizer": "adamw", "precision": "bf16"},
-    ],
-)
-def test_each_optimizers_traced_step_is_the_same_under_pytorchs_mode(tmp_path, monkeypatch, knobs):
-    pytest.importorskip("transformers")
-    from conftest import PLAN_LLAMA
-
-    path = tmp_path / "llama.json"
-    path.write_text(json.dumps(PLAN_LLAMA))
-    recipe = Recipe(batch_size=2, seq_len=32, **knobs)
-    device = device_options(gpu="a100-80gb")
-    results = []
-    for mode in (FakeTensorMode, fake_mode):
-        monkeypatch.setattr(step, "fake_mode", mode)
-        built = resolve(f"hf:{path}", recipe)
-        built.repeat_blocks = False
-        results.append(trace_and_estimate(built, recipe, "cuda", device))
-    (plain, plain_trace), (keyed, keyed_trace) = results
-    assert keyed.to_json() == plain.to_json()
-    assert same_events(keyed_trace, plain_trace)
-    assert keyed_trace.op_counts == plain_trace.op_counts

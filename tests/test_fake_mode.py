@@ -107,6 +107,11 @@ def test_the_installed_torch_gets_the_keyed_mode():
         {"precision": "amp-bf16", "checkpointing": "full"},
         {"optimizer": "adam", "grad_accum": 2},
         {"mode": "infer"},
+        # foreach steps (trace/fake_foreach.py) of the other torch.optim optimizers
+        {"optimizer": "momentum"},
+        {"optimizer": "adagrad"},
+        {"optimizer": "rmsprop", "precision": "amp-fp16"},
+        {"optimizer": "adamw", "precision": "bf16"},
     ],
 )
 def test_a_traced_step_is_the_same_under_pytorchs_own_mode(tmp_path, monkeypatch, knobs):
