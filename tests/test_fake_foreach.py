@@ -24,8 +24,8 @@ def taken(monkeypatch) -> list[bool]:
     """Whether the shortcut answered, for each foreach op the keyed mode was asked."""
     answered = []
 
-    def spy(mode, func, args, kwargs):
-        answer = pointwise_foreach(mode, func, args, kwargs)
+    def spy(mode, dense, func, args, kwargs):
+        answer = pointwise_foreach(mode, dense, func, args, kwargs)
         answered.append(answer is not NotImplemented)
         return answer
 

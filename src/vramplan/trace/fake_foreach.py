@@ -24,7 +24,7 @@ goes to PyTorch's own path::
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode, in_kernel_invocation_manager
@@ -64,16 +64,19 @@ def foreach_kind(func: torch._ops.OpOverload) -> str | None:
 
 def pointwise_foreach(
     mode: FakeTensorMode,
+    dense: Callable[[FakeTensor], bool],
     func: torch._ops.OpOverload,
     args: Sequence[object],
     kwargs: Mapping[str, object],
 ) -> object:
     """What ``mode`` would answer for the pointwise foreach op ``func``, without its meta
-    kernel; ``NotImplemented`` where the shortcut does not apply (then PyTorch's path)."""
+    kernel; ``NotImplemented`` where the shortcut does not apply (then PyTorch's path).
+    ``dense`` tells the mode's own strided fake tensors of static sizes holding no
+    constant (``KeyedFakeTensorMode``'s)."""
     kind = foreach_kind(func)
     if kind is None or not args or not isinstance(args[0], list | tuple) or not args[0]:
         return NotImplemented
-    lists = _tensor_lists(mode, (*args, *kwargs.values()), len(args[0]))
+    lists = _tensor_lists(dense, (*args, *kwargs.values()), len(args[0]))
     if lists is None:
         return NotImplemented
     if kind == "inplace":
@@ -89,7 +92,7 @@ def pointwise_foreach(
 
 
 def _tensor_lists(
-    mode: FakeTensorMode, arguments: Sequence[object], length: int
+    dense: Callable[[FakeTensor], bool], arguments: Sequence[object], length: int
 ) -> list[Sequence[FakeTensor]] | None:
     """The op's tensor lists where the shortcut applies to them all, else None."""
     lists = []
@@ -106,27 +109,13 @@ def _tensor_lists(
     if not lists or lists[0] is not arguments[0]:
         return None
     for tensors in zip(*lists, strict=True):
-        first = tensors[0]
-        if first.dtype not in FLOATS or not _plain(mode, first):
+        first = _signature(tensors[0])
+        if first[0] not in FLOATS or any(_signature(t) != first for t in tensors[1:]):
             return None
-        for other in tensors[1:]:
-            same = (other.dtype, other.shape, other.fake_device) == (
-                first.dtype,
-                first.shape,
-                first.fake_device,
-            )
-            if not same or not _plain(mode, other):
-                return None
+        if not all(dense(t) and t.is_contiguous() for t in tensors):
+            return None
     return lists
 
 
-def _plain(mode: FakeTensorMode, tensor: FakeTensor) -> bool:
-    """Whether ``tensor`` is a dense, contiguous fake tensor of ``mode`` holding no
-    constant, with static sizes."""
-    return (
-        tensor.fake_mode is mode
-        and tensor.constant is None
-        and not tensor._has_symbolic_sizes_strides
-        and tensor.layout is torch.strided
-        and tensor.is_contiguous()
-    )
+def _signature(tensor: FakeTensor) -> tuple:
+    return tensor.dtype, tensor.shape, tensor.fake_device

@@ -59,7 +59,7 @@ class KeyedFakeTensorMode(FakeTensorMode):
             with no_dispatch():  # what PyTorch's constant propagation runs
                 return func(args[0].constant)
         elif foreach_kind(func) is not None:
-            answer = pointwise_foreach(self, func, args, kwargs or {})
+            answer = pointwise_foreach(self, self._dense, func, args, kwargs or {})
             if answer is not NotImplemented:
                 return answer
         return super().dispatch(func, types, args, kwargs)
