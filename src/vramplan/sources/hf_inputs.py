@@ -23,6 +23,7 @@ from torch import nn
 from vramplan.errors import UserError
 from vramplan.recipe import Recipe
 from vramplan.sources.base import Batch
+from vramplan.trace.patching import patched
 
 DEFAULT_SEQ_LEN = 512
 DEFAULT_IMAGE_SIZE = 224
@@ -63,8 +64,7 @@ def value_checks_off() -> Iterator[None]:
             os.environ[key] = before
 
 
-@contextlib.contextmanager
-def one_sequence_per_row() -> Iterator[None]:
+def one_sequence_per_row() -> contextlib.AbstractContextManager:
     """transformers 5's causal mask looks for packed sequences in the position ids
     (``masking_utils.find_packed_sequence_indices``, reached when there is no cache, as
     under gradient checkpointing) and, where it cannot read their values (fake tensors:
@@ -77,17 +77,12 @@ def one_sequence_per_row() -> Iterator[None]:
     masking = sys.modules.get("transformers.masking_utils")
     find = getattr(masking, "find_packed_sequence_indices", None)
     if find is None:
-        yield
-        return
+        return contextlib.nullcontext()
 
     def unpacked(position_ids: torch.Tensor) -> None:
         find(position_ids)
 
-    masking.find_packed_sequence_indices = unpacked
-    try:
-        yield
-    finally:
-        masking.find_packed_sequence_indices = find
+    return patched([(masking, "find_packed_sequence_indices", unpacked)])
 
 
 def model_kind(model: nn.Module) -> str:
